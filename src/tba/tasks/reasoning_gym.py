@@ -1,0 +1,59 @@
+"""Any reasoning-gym dataset as a task, scored by the dataset's own ``score_answer``."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from tba.rewards.math import extract_final_answer
+from tba.tasks.base import Problem, Task
+
+
+class ReasoningGymTask(Task):
+    """Procedurally generated verifiable problems (reasoning-gym, Apache-2.0).
+
+    Train and eval sets come from different seeds; eval questions that also occur in the train set are
+    removed from the train set, so the eval stays held out even for small problem spaces.
+
+    Args:
+        dataset: reasoning-gym dataset name, e.g. ``chain_sum``.
+        dataset_config: its settings (e.g. ``min_terms``), passed to ``create_dataset``.
+        answer_pattern: regex; group 1 of its last match is the answer, else the last number.
+
+    Raises:
+        ValueError: unknown dataset or bad settings (reasoning-gym's message is kept).
+    """
+
+    def __init__(self, dataset: str, dataset_config: dict[str, Any], train_size: int, eval_size: int,
+                 seed: int = 0, answer_pattern: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        import reasoning_gym
+
+        self.name = f"reasoning_gym:{dataset}"
+        try:
+            eval_ds = reasoning_gym.create_dataset(dataset, size=eval_size, seed=seed + 1, **dataset_config)
+            train_ds = reasoning_gym.create_dataset(dataset, size=train_size, seed=seed, **dataset_config)
+        except (KeyError, TypeError, AssertionError, ValueError) as e:
+            raise ValueError(f"task '{self.name}' with dataset_config {dataset_config}: {e}") from None
+        self._scorer = train_ds
+        self._pattern = re.compile(answer_pattern, re.S) if answer_pattern else None
+        self.eval = [Problem(i, e["question"], str(e["answer"]), e) for i, e in enumerate(eval_ds)]
+        held_out = {p.question for p in self.eval}
+        kept = [e for e in train_ds if e["question"] not in held_out]
+        self.train = [Problem(i, e["question"], str(e["answer"]), e) for i, e in enumerate(kept)]
+        if not self.train:
+            raise ValueError(f"task '{self.name}': every train problem also occurs in the eval set; "
+                             "raise task.train_size or widen dataset_config")
+
+    def extract(self, response: str) -> str:
+        """The answer string handed to the scorer."""
+        if self._pattern is not None:
+            matches = self._pattern.findall(response)
+            if matches:
+                return str(matches[-1]).strip()
+        found = extract_final_answer(response)
+        return found if found is not None else response.strip()
+
+    def reward(self, response: str, problem: Problem) -> float:
+        """reasoning-gym's ``score_answer`` of the extracted answer, in [0, 1]."""
+        return float(self._scorer.score_answer(self.extract(response), problem.entry))

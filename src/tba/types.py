@@ -1,0 +1,69 @@
+"""Plain data that crosses process boundaries (searcher -> buffer -> trainer).
+
+Imports nothing from the package, so every module may import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Sample:
+    """One scored response to one prompt, as a searcher produced it.
+
+    Attributes:
+        prompt_id: index of the prompt in the task's training set (stable across runs and resumes).
+        prompt_ids: prompt token ids, chat template applied, no padding. Length P tokens.
+        response_ids: generated token ids, no padding; ends with EOS when ``finished``. Length R tokens.
+        reward: raw task reward r(x, y); beta is applied only when the loss is computed (algorithm.md 1).
+        logprobs: behaviour policy per-token log-probs of ``response_ids`` at the sampling temperature,
+            length R (GRPO / PPO ratios use them).
+        ref_logprobs: frozen reference model per-token log-probs of ``response_ids``, same temperature,
+            length R.
+        policy_version: trainer step whose published weights generated this response; staleness of the
+            sample at trainer step t is ``t - policy_version``.
+        searcher_id: which searcher produced it.
+        finished: True when the response ended with EOS rather than hitting max new tokens.
+    """
+
+    prompt_id: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    reward: float
+    logprobs: list[float]
+    ref_logprobs: list[float]
+    policy_version: int
+    searcher_id: int = 0
+    finished: bool = True
+
+    @property
+    def ref_logprob(self) -> float:
+        """Sequence-level log pi_ref(y|x): the sum over response tokens (algorithm.md section 1)."""
+        return float(sum(self.ref_logprobs))
+
+
+@dataclass
+class Batch:
+    """A training batch: B prompts x K responses, stored group-major.
+
+    ``samples[i * group_size + j]`` is response j of prompt i, so tensors built from it reshape to
+    ``[B, K]`` for the per-prompt log Z estimate (algorithm.md section 1).
+    """
+
+    samples: list[Sample]
+    group_size: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_prompts(self) -> int:
+        """B, the number of prompt groups."""
+        return len(self.samples) // self.group_size
+
+
+@dataclass
+class WeightsUpdate:
+    """A published policy: a version number and its state dict (CPU tensors) or a reference to it."""
+
+    version: int
+    state_dict: dict

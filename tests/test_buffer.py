@@ -1,0 +1,313 @@
+"""ReplayBuffer rules (algorithm.md section 3), with fixed seeds and numbers worked out by hand."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import math
+
+import pytest
+
+from tba.buffer import ReplayBuffer
+from tba.types import Sample
+
+_ids = itertools.count(1000)
+
+
+def mk(prompt_id: int, version: int, reward: float = 0.0, response_ids: list[int] | None = None) -> Sample:
+    """A sample with a unique response (unless ``response_ids`` is given)."""
+    resp = response_ids if response_ids is not None else [next(_ids)]
+    return Sample(
+        prompt_id=prompt_id,
+        prompt_ids=[prompt_id],
+        response_ids=resp,
+        reward=reward,
+        logprobs=[-0.5] * len(resp),
+        ref_logprobs=[-0.7] * len(resp),
+        policy_version=version,
+    )
+
+
+def versions(buf: ReplayBuffer, prompt_id: int) -> list[int]:
+    return sorted(s.policy_version for s in buf._groups[prompt_id].entries.values())
+
+
+# ---------------------------------------------------------------------- storage
+
+
+def test_dedup_keeps_newest_copy():
+    buf = ReplayBuffer(capacity_per_prompt=10)
+    assert buf.add([mk(0, 1, response_ids=[7, 8, 9]), mk(0, 1, response_ids=[7, 8])]) == 2
+    assert buf.add([mk(0, 3, reward=1.0, response_ids=[7, 8, 9])]) == 1
+    assert len(buf) == 2 and buf.num_prompts == 1
+    copies = [s for s in buf._groups[0].entries.values() if s.response_ids == [7, 8, 9]]
+    assert len(copies) == 1
+    assert copies[0].policy_version == 3 and copies[0].reward == 1.0
+    # the same response to a different prompt is a different sample
+    buf.add([mk(1, 1, response_ids=[7, 8, 9])])
+    assert len(buf) == 3 and buf.num_prompts == 2
+
+
+def test_eviction_oldest_version_first_ties_by_insertion():
+    buf = ReplayBuffer(capacity_per_prompt=3)
+    for v in (5, 1, 3):
+        buf.add([mk(0, v)])
+    assert buf.add([mk(0, 2)]) == 1
+    assert versions(buf, 0) == [2, 3, 5]  # version 1 evicted first
+    buf.add([mk(0, 4)])
+    assert versions(buf, 0) == [3, 4, 5]  # then version 2
+    assert buf.add([mk(0, 0)]) == 0  # older than everything stored: evicted at once
+    assert versions(buf, 0) == [3, 4, 5] and len(buf) == 3
+    # ties on version: the earliest inserted goes first
+    buf = ReplayBuffer(capacity_per_prompt=2)
+    a, b, c = mk(0, 1), mk(0, 1), mk(0, 1)
+    buf.add([a, b, c])
+    kept = [s.response_ids for s in buf._groups[0].entries.values()]
+    assert kept == [b.response_ids, c.response_ids]
+
+
+def test_len_num_prompts_stats():
+    buf = ReplayBuffer()
+    assert len(buf) == 0 and buf.num_prompts == 0
+    assert "buffer/version_min" not in buf.stats()
+    buf.add([mk(0, 2), mk(0, 4), mk(3, 6)])
+    buf.sync(min_version=4)
+    st = buf.stats()
+    assert st["buffer/size"] == 3 and st["buffer/prompts"] == 2
+    assert st["buffer/recent_prompts"] == 2 and st["buffer/recent_samples"] == 2  # version 2 is too old
+    assert st["buffer/version_min"] == 2 and st["buffer/version_max"] == 6
+
+
+# ---------------------------------------------------------------------- sync and the on-policy branch
+
+
+def test_on_policy_draws_only_newest_sync_recent_set():
+    buf = ReplayBuffer(on_policy_prob=1.0, seed=3)
+    buf.add([mk(p, 0) for p in range(5) for _ in range(3)])
+    assert buf.sync(min_version=0) == 5
+    buf.add([mk(p, 1) for p in (5, 6) for _ in range(3)])
+    assert buf.sync(min_version=1) == 2
+    buf.add([mk(7, 2) for _ in range(3)])  # arrived after the sync: not recent yet
+    seen = collections.Counter()
+    for step in range(200):
+        batch = buf.sample(num_prompts=3, group_size=2, step=step)
+        assert batch.metrics["buffer/on_policy_frac"] == 1.0
+        seen.update(s.prompt_id for s in batch.samples)
+    assert set(seen) == {5, 6}
+    # the pass over the recent set is without replacement: 2 prompts, 600 draws -> exactly 300 each
+    assert seen[5] == seen[6] == 600
+
+
+def test_sync_keeps_previous_recent_set_when_nothing_fresh():
+    buf = ReplayBuffer(on_policy_prob=1.0)
+    buf.add([mk(0, 4), mk(0, 4)])
+    assert buf.sync(min_version=4) == 1
+    buf.add([mk(1, 2), mk(1, 2)])  # only stale samples arrive
+    assert buf.sync(min_version=6) == 1  # previous set kept
+    assert {s.prompt_id for s in buf.sample(4, 2, step=8).samples} == {0}
+
+
+def test_recent_draw_is_newest_first():
+    buf = ReplayBuffer(on_policy_prob=1.0)
+    buf.add([mk(0, v) for v in (3, 5, 4, 9)])
+    buf.sync(min_version=3)
+    buf.add([mk(0, 10)])  # pending, not recent
+    batch = buf.sample(1, 3, step=10)
+    assert [s.policy_version for s in batch.samples] == [9, 5, 4]
+    assert batch.metrics["buffer/staleness_max"] == 6.0
+    assert batch.metrics["buffer/staleness_mean"] == pytest.approx((1 + 5 + 6) / 3)
+
+
+def test_fewer_than_k_samples_uses_replacement():
+    # off-policy branch: K=4 from 2 samples
+    buf = ReplayBuffer(on_policy_prob=0.0, seed=1)
+    a, b = mk(0, 1), mk(0, 1)
+    buf.add([a, b])
+    seen = set()
+    for step in range(20):
+        batch = buf.sample(1, 4, step=step)
+        assert len(batch.samples) == 4 and batch.num_prompts == 1
+        ids = [tuple(s.response_ids) for s in batch.samples]
+        assert set(ids) <= {tuple(a.response_ids), tuple(b.response_ids)}
+        seen.update(ids)
+    assert len(seen) == 2
+    # on-policy branch: both recent samples first (newest first), the remaining 2 drawn from them
+    buf = ReplayBuffer(on_policy_prob=1.0, seed=1)
+    a, b = mk(0, 1), mk(0, 2)
+    buf.add([a, b])
+    buf.sync(min_version=0)
+    got = buf.sample(1, 4, step=3).samples
+    assert got[0] is b and got[1] is a and all(s in (a, b) for s in got[2:])
+
+
+# ---------------------------------------------------------------------- the off-policy branch
+
+
+def _frequencies(inv_temp: float, draws: int = 4000) -> list[float]:
+    buf = ReplayBuffer(on_policy_prob=0.0, inv_temp=inv_temp, seed=0)
+    samples = [mk(0, 0, reward=r, response_ids=[i]) for i, r in enumerate([0.0, 0.0, 1.0, 1.0])]
+    buf.add(samples)
+    counts = collections.Counter()
+    for _ in range(draws):
+        counts[buf.sample(1, 1, step=0).samples[0].response_ids[0]] += 1
+    return [counts[i] / draws for i in range(4)]
+
+
+def test_off_policy_inv_temp_zero_is_uniform():
+    freqs = _frequencies(inv_temp=0.0)
+    chi2 = sum((f * 4000 - 1000) ** 2 / 1000 for f in freqs)
+    assert chi2 < 16.27  # chi-square, 3 dof, p = 0.001; rewards [0, 0, 1, 1] must not matter
+    assert all(abs(f - 0.25) < 0.03 for f in freqs)
+
+
+def test_off_policy_inv_temp_one_matches_softmax_of_rewards():
+    freqs = _frequencies(inv_temp=1.0)
+    low, high = 1 / (2 + 2 * math.e), math.e / (2 + 2 * math.e)  # 0.1345, 0.3655
+    expected = [low, low, high, high]
+    assert all(abs(f - p) < 0.03 for f, p in zip(freqs, expected))
+    chi2 = sum((f - p) ** 2 * 4000 / p for f, p in zip(freqs, expected))
+    assert chi2 < 16.27
+
+
+@pytest.mark.parametrize("inv_temp", [0.0, 5.0])
+def test_off_policy_without_replacement_when_enough_samples(inv_temp: float):
+    buf = ReplayBuffer(on_policy_prob=0.0, inv_temp=inv_temp, seed=2)
+    buf.add([mk(0, 0, reward=r) for r in (0.0, 0.0, 1.0, 3.0)])
+    for step in range(20):
+        ids = [tuple(s.response_ids) for s in buf.sample(1, 4, step=step).samples]
+        assert len(set(ids)) == 4
+
+
+def test_off_policy_epoch_over_prompts_without_replacement():
+    buf = ReplayBuffer(on_policy_prob=0.0, seed=4)
+    buf.add([mk(p, 0) for p in range(5) for _ in range(2)])
+    for step in range(3):
+        batch = buf.sample(5, 2, step=step)
+        assert batch.metrics["buffer/on_policy_frac"] == 0.0
+        prompts = [s.prompt_id for s in batch.samples[::2]]
+        assert sorted(prompts) == [0, 1, 2, 3, 4]
+        assert batch.samples[0].prompt_id == batch.samples[1].prompt_id  # group-major
+    # a prompt added mid-epoch joins the next epoch, not the current one
+    first = {s.prompt_id for s in buf.sample(3, 1, step=3).samples}
+    buf.add([mk(5, 1)])
+    rest = {s.prompt_id for s in buf.sample(2, 1, step=4).samples}
+    assert first | rest == {0, 1, 2, 3, 4} and 5 not in rest
+    assert sorted(s.prompt_id for s in buf.sample(6, 1, step=5).samples) == [0, 1, 2, 3, 4, 5]
+
+
+def test_empty_recent_set_falls_back_to_all_prompts():
+    buf = ReplayBuffer(on_policy_prob=1.0)
+    buf.add([mk(0, 0), mk(1, 0)])  # no sync yet
+    batch = buf.sample(2, 1, step=0)
+    assert batch.metrics["buffer/on_policy_frac"] == 0.0
+    assert sorted(s.prompt_id for s in batch.samples) == [0, 1]
+
+
+# ---------------------------------------------------------------------- the async staleness bound
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_staleness_bound_2k_minus_1(k: int):
+    """Searcher lag up to k-1 steps plus an old straggler; recent draws stay <= 2k-1 stale."""
+    buf = ReplayBuffer(on_policy_prob=1.0, seed=k)
+    buf.add([mk(p, 0) for p in range(6) for _ in range(3)])  # initial fill with version 0
+    arrivals: dict[int, list[Sample]] = collections.defaultdict(list)
+    straggler_step = 3 * k + 1
+    stale_prompt = 99  # a prompt that only ever gets the straggler's samples
+    straggler = [mk(stale_prompt, 0) for _ in range(3)] + [mk(p, 0) for p in range(6)]
+    arrivals[straggler_step] += straggler
+    straggler_ids = {tuple(s.response_ids) for s in straggler}
+    published = 0
+    worst = 0
+    for t in range(12 * k):
+        buf.add(arrivals.pop(t, []))
+        if t % k == 0:
+            published = t  # trainer publishes weights of step t and syncs the buffer
+            assert buf.sync(min_version=t - k) >= 1
+        batch = buf.sample(num_prompts=3, group_size=2, step=t)
+        assert batch.metrics["buffer/on_policy_frac"] == 1.0
+        for s in batch.samples:
+            assert s.prompt_id != stale_prompt
+            assert tuple(s.response_ids) not in straggler_ids
+            worst = max(worst, t - s.policy_version)
+        assert batch.metrics["buffer/staleness_max"] <= 2 * k - 1
+        # searcher generates with the latest published version; it lands 1..k steps later
+        lag = 1 + (t * 7 + 3) % k  # deterministic lags covering 1..k
+        arrivals[t + lag] += [mk(t % 6, published) for _ in range(3)]
+    assert worst <= 2 * k - 1
+    assert worst == 2 * k - 1  # the bound is tight in this loop
+    assert stale_prompt in buf._groups  # the straggler did arrive; it was just never drawn as recent
+
+
+# ---------------------------------------------------------------------- checkpointing
+
+
+def test_state_dict_round_trip_reproduces_future_batches():
+    def build() -> ReplayBuffer:
+        buf = ReplayBuffer(capacity_per_prompt=4, on_policy_prob=0.5, inv_temp=1.0, seed=11)
+        buf.add([mk(p, v, reward=float((p + v) % 3), response_ids=[p, v, j])
+                 for p in range(6) for v in range(3) for j in range(2)])
+        buf.sync(min_version=1)
+        for step in range(3):
+            buf.sample(4, 3, step=step)
+        buf.add([mk(p, 3, reward=1.0, response_ids=[p, 3]) for p in (1, 2)])  # pending at save time
+        return buf
+
+    original = build()
+    state = json.loads(json.dumps(original.state_dict()))
+    copy = ReplayBuffer(capacity_per_prompt=4, on_policy_prob=0.5, inv_temp=1.0, seed=999)
+    copy.load_state_dict(state)
+    assert len(copy) == len(original) and copy.stats() == original.stats()
+
+    def key(batch):
+        return [(s.prompt_id, tuple(s.response_ids), s.policy_version) for s in batch.samples]
+
+    for step in range(3, 8):
+        a, b = original.sample(5, 3, step=step), copy.sample(5, 3, step=step)
+        assert key(a) == key(b) and a.metrics == b.metrics
+    for buf in (original, copy):  # pending samples and the seq counter survive too
+        buf.add([mk(p, 4, response_ids=[p, 4]) for p in (0, 5)])
+        buf.sync(min_version=3)
+    assert key(original.sample(6, 2, step=8)) == key(copy.sample(6, 2, step=8))
+    assert original.stats() == copy.stats()
+
+
+def test_load_state_dict_rejects_bad_state():
+    with pytest.raises(ValueError, match="format"):
+        ReplayBuffer().load_state_dict({"format": 42})
+    state = ReplayBuffer().state_dict()
+    del state["rng"]
+    with pytest.raises(ValueError, match="rng"):
+        ReplayBuffer().load_state_dict(state)
+
+
+# ---------------------------------------------------------------------- argument checks
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"capacity_per_prompt": 0}, "capacity_per_prompt"),
+        ({"on_policy_prob": 1.5}, "on_policy_prob"),
+        ({"on_policy_prob": -0.1}, "on_policy_prob"),
+        ({"inv_temp": -1.0}, "inv_temp"),
+        ({"inv_temp": float("inf")}, "inv_temp"),
+    ],
+)
+def test_bad_constructor_args_raise(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        ReplayBuffer(**kwargs)
+
+
+def test_bad_sample_args_raise():
+    buf = ReplayBuffer()
+    with pytest.raises(ValueError, match="empty"):
+        buf.sample(1, 1, step=0)
+    buf.add([mk(0, 0)])
+    with pytest.raises(ValueError, match="num_prompts"):
+        buf.sample(0, 1, step=0)
+    with pytest.raises(ValueError, match="group_size"):
+        buf.sample(1, 0, step=0)
+    with pytest.raises(TypeError):
+        buf.add([{"prompt_id": 0}])
