@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import math
+from math import isfinite
 import threading
 from typing import Any, Callable
 
@@ -31,6 +31,6 @@ def call_with_timeout(fn: Callable[..., float], *args: Any, timeout_s: float) ->
         return None, f"timeout after {timeout_s:g} s"
     if "error" in box:
         return None, box["error"]
-    if not math.isfinite(box["value"]):
+    if not isfinite(box["value"]):
         return None, f"non-finite reward {box['value']}"
     return box["value"], None

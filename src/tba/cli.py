@@ -1,0 +1,198 @@
+"""``tba`` command line: ``tba train CONFIG [--section.field VALUE | section.field=VALUE ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from tba.config import ConfigError, iter_fields, load_config, parse_value
+
+SHORTCUTS = {"--max-steps": "trainer.max_steps", "--ray-address": "run.ray_address",
+             "--output-dir": "run.output_dir", "--mode": "run.mode", "--seed": "run.seed"}
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tba train",
+        description="Post-train a causal LM with TBA: searchers -> replay buffer -> trainer -> weights back. "
+        "Every config field can be set in the YAML file or overridden here as --section.field VALUE or "
+        "section.field=VALUE (values are parsed as YAML: 1e-5, true, null, [1, 2]).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/quickstart.yaml); omitted = defaults")
+    p.add_argument("assignments", nargs="*", help="overrides as section.field=VALUE")
+    for flag, dotted in SHORTCUTS.items():
+        p.add_argument(flag, dest=dotted, default=argparse.SUPPRESS, metavar="V", help=f"same as --{dotted}")
+    for dotted, info in iter_fields():
+        default = info.get_default(call_default_factory=True)
+        p.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="V",
+                       help=f"{info.description or ''} [default: {default!r}]")
+    return p
+
+
+def parse_train_args(argv: list[str]) -> tuple[str | None, dict]:
+    """Split ``tba train`` arguments into the config path and a dict of dotted overrides.
+
+    Raises:
+        ConfigError: an assignment without '='.
+    """
+    ns = vars(_train_parser().parse_args(argv))
+    config = ns.pop("config")
+    assignments = ns.pop("assignments")
+    if config and "=" in config:  # `tba train trainer.lr=1e-5` with no config file
+        assignments, config = [config, *assignments], None
+    overrides = {k: parse_value(v) for k, v in ns.items()}
+    for a in assignments:
+        key, eq, value = a.partition("=")
+        if not eq:
+            raise ConfigError(f"override '{a}' must look like section.field=VALUE")
+        overrides[key.strip().lstrip("-")] = parse_value(value)
+    return config, overrides
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+    t0 = time.monotonic()
+
+    def update(step: int, m: dict) -> None:
+        bar.n = step
+        bar.set_postfix(reward=f"{m.get('train/reward_mean', 0):.3f}", loss=f"{m.get(_loss_key(m), 0):.3g}",
+                        samples_s=f"{m.get('buffer/samples_added', 0) / max(time.monotonic() - t0, 1e-9):.1f}",
+                        stale=f"{m.get('buffer/staleness_mean', 0):.1f}", refresh=True)
+
+    update.close = bar.close
+    return update
+
+
+def _loss_key(m: dict) -> str:
+    return next((k for k in m if k.startswith("loss/") and k.count("/") == 1 and k.split("/")[1] in
+                 ("tb", "rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo")), "loss/tb")
+
+
+def run_train(cfg, *, show_progress: bool = True) -> dict:
+    """Run one training job from a validated config; returns the summary (also written to summary.json).
+
+    Raises:
+        ModelLoadError, DataError, FileNotFoundError, ValueError: bad model/data, before Ray starts.
+    """
+    from tba.logger import MetricsLogger, plot_learning_curve
+    from tba.models import prepare_model
+    from tba.runtime.build import task_from_config
+    from tba.runtime.ray import RayRuntime
+
+    t_start = time.monotonic()
+    task = task_from_config(cfg)  # fails fast on bad data, before any model loads
+    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
+    ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
+    run_dir = Path(cfg.run.output_dir.format(task=task.name.replace(":", "-"), time=time.strftime("%Y%m%d-%H%M%S")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(_dump_yaml(cfg.model_dump()))
+    logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.wandb_project, cfg.model_dump())
+    print(f"run directory: {run_dir}", flush=True)
+    summary: dict = {"run_dir": str(run_dir), "task": task.name, "mode": cfg.run.mode, "loss": cfg.loss.name}
+    try:
+        with RayRuntime(cfg, policy_path, ref_path, on_metrics=logger.log) as rt:
+            rt.start_searchers()
+            if cfg.run.eval_before:
+                before = rt.evaluate()
+                summary["accuracy_before"] = before["accuracy"]
+                print(f"eval before: accuracy {before['accuracy']:.3f} +- {before['stderr']:.3f} "
+                      f"on {before['n']} problems", flush=True)
+            bar = _progress_bar(cfg.trainer.max_steps) if show_progress else None
+            t_train = time.monotonic()
+            state = rt.train(bar)
+            train_s = time.monotonic() - t_train
+            if bar is not None:
+                bar.close()
+            stats = rt.stats()
+            summary["searcher_nodes"] = sorted(set(rt.searcher_nodes()))
+            if cfg.run.eval_after:
+                after = rt.evaluate()
+                summary["accuracy_after"] = after["accuracy"]
+                summary["eval_stderr"] = after["stderr"]
+                summary["eval_examples"] = after["examples"]
+            if cfg.trainer.save_final:
+                summary["final_model"] = rt.save(str(run_dir / "final"))
+    finally:
+        logger.close()
+    summary.update({
+        "trainer_steps": state.step,
+        "samples_generated": int(stats["buffer/samples_added"]),
+        "searcher_max_version": int(stats["searcher/max_version"]),
+        "searcher_restarts": state.searcher_restarts,
+        "reward_failures": int(stats["searcher/reward_failures_total"]),
+        "staleness_mean": state.staleness_sum / max(1, state.step),
+        "staleness_max": state.staleness_max,
+        "train_wall_s": train_s,
+        "wall_s": time.monotonic() - t_start,
+    })
+    if (run_dir / "metrics.jsonl").stat().st_size:
+        summary["learning_curve"] = str(plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png"))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _dump_yaml(data: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def print_summary(s: dict) -> None:
+    """Human-readable end-of-run summary."""
+    lines = ["", "== tba summary =="]
+    if "accuracy_before" in s or "accuracy_after" in s:
+        b, a = s.get("accuracy_before"), s.get("accuracy_after")
+        fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+        gain = f" (gain {a - b:+.3f}, eval stderr {s.get('eval_stderr', 0):.3f})" if a is not None and b is not None else ""
+        lines.append(f"greedy accuracy: before {fmt(b)} -> after {fmt(a)}{gain}")
+    lines += [
+        f"trainer steps: {s['trainer_steps']}   samples generated: {s['samples_generated']}",
+        f"wall time: {s['wall_s']:.0f} s (training {s['train_wall_s']:.0f} s)",
+        f"staleness (trainer step - policy version): mean {s['staleness_mean']:.2f}, max {s['staleness_max']:.0f}",
+        f"searchers: newest policy version received {s['searcher_max_version']}, restarts {s['searcher_restarts']}, "
+        f"reward failures {s['reward_failures']}",
+        f"run directory: {s['run_dir']}",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tba`` command; returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: tba train CONFIG [overrides]   (tba train --help lists every config field)")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command != "train":
+        print(f"error: unknown command '{command}'; use 'tba train'", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tba.models import ModelLoadError
+
+    try:
+        path, overrides = parse_train_args(rest)
+        cfg = load_config(path, overrides)
+        summary = run_train(cfg)
+    except KeyboardInterrupt:
+        print("\ninterrupted; all actors stopped", file=sys.stderr)
+        return 130
+    except (ConfigError, ModelLoadError, FileNotFoundError, ValueError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    except Exception as e:  # noqa: BLE001 - one line for the user; the Ray traceback is already logged
+        msg = str(e).strip().splitlines()
+        print(f"error: {type(e).__name__}: {msg[-1] if msg else ''}", file=sys.stderr)
+        return 1
+    print_summary(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,330 @@
+"""Searchers, replay buffer and trainer as Ray actors; the driver loop that wires them (TBA section 2).
+
+The only module that imports ray. Locally it starts a loopback-only Ray instance with no dashboard;
+with ``run.ray_address`` it joins an existing cluster and spreads the searchers over its nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from tba.buffer import ReplayBuffer
+from tba.config import Config
+
+log = logging.getLogger(__name__)
+
+MAX_SEARCHER_RESTARTS = 3  # per searcher, before the run gives up
+
+
+@ray.remote
+class BufferActor:
+    """The replay buffer plus the weight board: newest published version and its object-store ref."""
+
+    def __init__(self, capacity: int, on_policy_prob: float, inv_temp: float, seed: int, min_fill: int):
+        self.buffer = ReplayBuffer(capacity, on_policy_prob, inv_temp, seed)
+        self.min_fill = min_fill
+        self.version, self.weights, self.stop = 0, None, False
+        self.samples_added = 0
+        self.reward_failures = 0
+        self.searcher_versions: dict[int, int] = {}
+        self.searcher_metrics: dict[str, list[float]] = {}
+
+    def add(self, samples, metrics: dict, searcher_id: int, searcher_version: int) -> dict:
+        """Store a searcher's samples; reply with the stop flag and newer weights if there are any."""
+        self.buffer.add(samples)
+        self.samples_added += len(samples)
+        self.reward_failures += int(metrics.get("searcher/reward_failures", 0))
+        self.searcher_versions[searcher_id] = searcher_version
+        for k, v in metrics.items():
+            self.searcher_metrics.setdefault(k, []).append(v)
+        newer = self.weights if self.version > searcher_version else None
+        return {"stop": self.stop, "version": self.version, "weights": newer}
+
+    def publish(self, version: int, weights_ref: list) -> None:
+        """Make ``weights_ref`` (a one-element list, so Ray does not resolve it) the newest policy."""
+        self.version, self.weights = version, weights_ref
+
+    def sync(self, min_version: int) -> int:
+        """See :meth:`ReplayBuffer.sync`."""
+        return self.buffer.sync(min_version)
+
+    def sample(self, num_prompts: int, group_size: int, step: int):
+        """A batch, or None while the buffer holds fewer than ``min_fill`` samples."""
+        if len(self.buffer) < self.min_fill:
+            return None
+        return self.buffer.sample(num_prompts, group_size, step)
+
+    def set_stop(self) -> None:
+        """Searchers finish their current batch and return."""
+        self.stop = True
+
+    def stats(self, drain: bool = True) -> dict:
+        """Buffer stats, counters and the mean of searcher metrics since the last drain."""
+        out = dict(self.buffer.stats())
+        out["buffer/samples_added"] = float(self.samples_added)
+        out["searcher/reward_failures_total"] = float(self.reward_failures)
+        out["searcher/min_version"] = float(min(self.searcher_versions.values(), default=0))
+        out["searcher/max_version"] = float(max(self.searcher_versions.values(), default=0))
+        for k, vs in self.searcher_metrics.items():
+            if vs:
+                out[k] = sum(vs) / len(vs)
+        if drain:
+            self.searcher_metrics = {}
+        return out
+
+
+@ray.remote
+class SearcherActor:
+    """One searcher: generates with the newest weights it has, pushes samples, never waits for training."""
+
+    def __init__(self, cfg: dict, policy_path: str, ref_path: str, searcher_id: int):
+        from tba.runtime.build import build_searcher, quiet_libraries
+
+        quiet_libraries()
+        self.searcher = build_searcher(Config.model_validate(cfg), policy_path, ref_path, searcher_id)
+
+    def node_id(self) -> str:
+        """Ray node this searcher runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    def run(self, buffer, max_batches: int | None = None) -> int:
+        """Loop: load newer weights if published -> generate a batch -> add it. Returns batches made."""
+        s = self.searcher
+        info = ray.get(buffer.add.remote([], {}, s.searcher_id, s.version))
+        made = 0
+        while not info["stop"] and (max_batches is None or made < max_batches):
+            if info["weights"] is not None:
+                s.load_weights(info["version"], ray.get(info["weights"][0]))
+            samples, metrics = s.step()
+            info = ray.get(buffer.add.remote(samples, metrics, s.searcher_id, s.version))
+            made += 1
+        return made
+
+
+@ray.remote
+class TrainerActor:
+    """The trainer, and greedy evaluation of its current policy."""
+
+    def __init__(self, cfg: dict, policy_path: str):
+        from tba.runtime.build import build_trainer, generation_dtype, quiet_libraries, task_from_config
+
+        quiet_libraries()
+        self.cfg = Config.model_validate(cfg)
+        self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path)
+        self.task = task_from_config(self.cfg)
+        self.gen_dtype = generation_dtype(self.cfg)
+
+    def train_step(self, buffer, num_prompts: int, group_size: int):
+        """Sample a batch from the buffer and take one optimizer step; None if the buffer is not ready."""
+        batch = ray.get(buffer.sample.remote(num_prompts, group_size, self.trainer.step_count))
+        return None if batch is None else self.trainer.step(batch)
+
+    def publish(self) -> list:
+        """Put the current weights (generation dtype) in the object store; returns ``[ref]``."""
+        return [ray.put(self.trainer.publish_state_dict(self.gen_dtype))]
+
+    def evaluate(self) -> dict:
+        """Greedy accuracy of the current policy on the task's eval set (bf16 copy where supported)."""
+        import copy
+
+        from tba.engines.hf import HFEngine
+        from tba.evaluation import greedy_accuracy
+
+        model = copy.deepcopy(self.trainer.model).to(self.gen_dtype).eval()
+        result = greedy_accuracy(HFEngine(model, self.tokenizer), self.task, self.tokenizer, self.task.eval,
+                                 self.cfg.run.eval_batch_size, self.cfg.searcher.max_new_tokens)
+        del model
+        self.trainer.model.train()
+        return result
+
+    def save(self, path: str) -> str:
+        """Save the policy and tokenizer in Hugging Face format."""
+        self.trainer.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+
+def init_ray(cfg: Config) -> bool:
+    """Join ``run.ray_address`` or start a loopback-only local instance. Returns True if we started it."""
+    env = {"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}}
+    if cfg.run.ray_address:
+        ray.init(address=cfg.run.ray_address, runtime_env=env, logging_level=logging.WARNING)
+        return True
+    need = cfg.trainer.threads + cfg.searcher.num_searchers * cfg.searcher.threads + 1
+    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, _node_ip_address="127.0.0.1",
+             runtime_env=env, logging_level=logging.WARNING, configure_logging=True)
+    return True
+
+
+@dataclass
+class RunState:
+    """What the driver tracks for the summary."""
+
+    step: int = 0
+    staleness_sum: float = 0.0
+    staleness_max: float = 0.0
+    searcher_restarts: int = 0
+    last: dict = field(default_factory=dict)
+
+
+class RayRuntime:
+    """Starts the actors, runs the async (TBA) or sync (on-policy) loop, and always cleans up.
+
+    Args:
+        cfg: the validated config.
+        policy_path, ref_path: prepared model paths (see :func:`tba.models.prepare_model`).
+        on_metrics: called as ``on_metrics(step, metrics)`` after every trainer step.
+    """
+
+    def __init__(self, cfg: Config, policy_path: str, ref_path: str, on_metrics=None):
+        self.cfg, self.policy_path, self.ref_path = cfg, policy_path, ref_path
+        self.on_metrics = on_metrics or (lambda step, m: None)
+        self.state = RunState()
+        self.actors: list = []
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> "RayRuntime":
+        init_ray(self.cfg)
+        c, sync = self.cfg, self.cfg.run.mode == "sync"
+        self.cfg_dict = c.model_dump()
+        self.buffer = BufferActor.options(num_cpus=0).remote(
+            c.buffer.capacity_per_prompt, 1.0 if sync else c.buffer.on_policy_prob, c.buffer.inv_temp,
+            c.run.seed, 1 if sync else c.buffer.min_fill)
+        self.trainer = TrainerActor.options(num_cpus=c.trainer.threads).remote(self.cfg_dict, self.policy_path)
+        self.searchers = [self._new_searcher(i) for i in range(c.searcher.num_searchers)]
+        self.actors = [self.buffer, self.trainer, *self.searchers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            ray.get(self.buffer.set_stop.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - best effort; the kill below is what matters
+            pass
+        for a in self.actors:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001
+                pass
+        ray.shutdown()
+
+    def _new_searcher(self, i: int):
+        return SearcherActor.options(num_cpus=self.cfg.searcher.threads, scheduling_strategy="SPREAD",
+                                     max_concurrency=2).remote(self.cfg_dict, self.policy_path, self.ref_path, i)
+
+    # -- the pieces the CLI calls ------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Greedy eval of the trainer's current policy."""
+        return ray.get(self.trainer.evaluate.remote())
+
+    def save(self, path: str) -> str:
+        """Save the trainer's policy (HF format)."""
+        return ray.get(self.trainer.save.remote(path))
+
+    def searcher_nodes(self) -> list[str]:
+        """Ray node id of each searcher."""
+        return ray.get([s.node_id.remote() for s in self.searchers])
+
+    def stats(self) -> dict:
+        """Buffer and searcher counters (not drained)."""
+        return ray.get(self.buffer.stats.remote(False))
+
+    def start_searchers(self) -> None:
+        """Async mode: start every searcher's endless loop now (they fill the buffer during the eval)."""
+        if self.cfg.run.mode == "async":
+            self.runs = [s.run.remote(self.buffer) for s in self.searchers]
+
+    def train(self, progress=None) -> RunState:
+        """Run ``trainer.max_steps`` steps in the configured mode; returns the run state."""
+        if self.cfg.run.mode == "sync":
+            self._train_sync(progress)
+        else:
+            self._train_async(progress)
+        ray.get(self.buffer.set_stop.remote())
+        return self.state
+
+    # -- loops -------------------------------------------------------------------------------------
+    def _train_async(self, progress) -> None:
+        c = self.cfg
+        k = c.trainer.sync_period
+        self._wait_for_fill()
+        ray.get(self.buffer.sync.remote(0))
+        while self.state.step < c.trainer.max_steps:
+            self._check_searchers()
+            metrics = ray.get(self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
+                                                             c.trainer.group_size))
+            if metrics is None:  # cannot happen after the fill (samples are never removed below it)
+                time.sleep(0.1)
+                continue
+            self.state.step += 1
+            if self.state.step % k == 0:
+                self._publish(self.state.step)
+                ray.get(self.buffer.sync.remote(self.state.step - k))
+            self._record(metrics, progress)
+
+    def _train_sync(self, progress) -> None:
+        c = self.cfg
+        while self.state.step < c.trainer.max_steps:
+            ray.get([s.run.remote(self.buffer, 1) for s in self.searchers])
+            ray.get(self.buffer.sync.remote(self.state.step))  # only what this step's policy generated
+            metrics = ray.get(self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
+                                                             c.trainer.group_size))
+            self.state.step += 1
+            self._publish(self.state.step)
+            self._record(metrics, progress)
+
+    def _publish(self, version: int) -> None:
+        refs = ray.get(self.trainer.publish.remote())
+        ray.get(self.buffer.publish.remote(version, refs))
+
+    def _record(self, metrics: dict, progress) -> None:
+        stats = ray.get(self.buffer.stats.remote())
+        metrics = {**stats, **metrics, "searcher/restarts": float(self.state.searcher_restarts)}
+        st = self.state
+        st.staleness_sum += metrics.get("buffer/staleness_mean", 0.0)
+        st.staleness_max = max(st.staleness_max, metrics.get("buffer/staleness_max", 0.0))
+        st.last = metrics
+        self.on_metrics(st.step, metrics)
+        if progress is not None:
+            progress(st.step, metrics)
+
+    def _wait_for_fill(self) -> None:
+        deadline = time.monotonic() + self.cfg.run.startup_timeout_s
+        while True:
+            self._check_searchers()
+            size = ray.get(self.buffer.stats.remote(False))["buffer/size"]
+            if size >= self.cfg.buffer.min_fill:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"buffer holds {int(size)} samples after {self.cfg.run.startup_timeout_s:g} s, "
+                                   f"below buffer.min_fill={self.cfg.buffer.min_fill}; lower it or raise "
+                                   "run.startup_timeout_s")
+            time.sleep(0.5)
+
+    def _check_searchers(self) -> None:
+        """Restart any searcher whose loop died (exception or killed process); the trainer keeps going."""
+        if self.cfg.run.mode != "async":
+            return
+        done, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
+        for ref in done:
+            i = self.runs.index(ref)
+            try:
+                ray.get(ref)
+                continue  # returned normally: only after stop
+            except (ray.exceptions.RayError, Exception) as e:  # noqa: BLE001
+                err = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            self.state.searcher_restarts += 1
+            if self.state.searcher_restarts > MAX_SEARCHER_RESTARTS * len(self.searchers):
+                raise RuntimeError(f"searchers failed {self.state.searcher_restarts} times; last error: {err}")
+            log.warning("searcher %d died (%s); restarting it with the newest weights", i, err)
+            try:
+                ray.kill(self.searchers[i])
+            except Exception:  # noqa: BLE001
+                pass
+            self.searchers[i] = self._new_searcher(i)
+            self.actors.append(self.searchers[i])
+            self.runs[i] = self.searchers[i].run.remote(self.buffer)
