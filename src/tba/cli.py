@@ -40,7 +40,7 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, dict]:
     Raises:
         ConfigError: an assignment without '='.
     """
-    ns = vars(_train_parser().parse_args(argv))
+    ns = vars(_train_parser().parse_intermixed_args(argv))
     config = ns.pop("config")
     assignments = ns.pop("assignments")
     if config and "=" in config:  # `tba train trainer.lr=1e-5` with no config file
