@@ -14,13 +14,13 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def test_overrides_both_syntaxes_and_yaml_values():
     path, ov = parse_train_args(["cfg.yaml", "--trainer.lr", "3e-5", "buffer.on_policy_prob=0.5",
-                                 "--max-steps", "7", "task.dataset_config.min_terms=3"])
+                                 "--max-steps", "7", "task.options.min_terms=3"])
     assert path == "cfg.yaml"
     cfg = load_config(None, ov)
     assert cfg.trainer.lr == pytest.approx(3e-5)
     assert cfg.buffer.on_policy_prob == 0.5
     assert cfg.trainer.max_steps == 7
-    assert cfg.task.dataset_config == {"min_terms": 3}
+    assert cfg.task.options == {"min_terms": 3}
 
 
 def test_yaml_file_then_override(tmp_path):

@@ -17,7 +17,7 @@ from tba.logger import read_metrics
 
 TINY = [
     "--model.num_hidden_layers", "2", "--task.train_size", "40", "--task.eval_size", "8",
-    "--task.dataset_config", "{min_terms: 2, max_terms: 2, max_digits: 1}",
+    "--task.options", "{min_terms: 2, max_terms: 2, max_digits: 1}",
     "--searcher.prompts_per_batch", "2", "--searcher.samples_per_prompt", "4", "--searcher.max_new_tokens", "12",
     "--trainer.prompts_per_step", "2", "--trainer.group_size", "4", "--trainer.lr", "1e-4",
     "--trainer.lr_schedule", "constant", "--buffer.min_fill", "16", "--run.eval_batch_size", "8",
@@ -59,8 +59,9 @@ def test_async_run_end_to_end(tmp_path, model_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == 6
     assert summary["searcher_max_version"] >= 2  # weights reached the searchers
-    assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
-    assert "greedy accuracy: before" in r.stdout and "staleness" in r.stdout
+    assert 0 <= summary["eval_before"]["accuracy"] <= 1 and 0 <= summary["eval_after"]["accuracy"] <= 1
+    assert summary["eval_after"]["n"] == 8
+    assert "eval accuracy: before" in r.stdout and "staleness" in r.stdout
     records = read_metrics(out / "metrics.jsonl")
     assert [rec["step"] for rec in records] == [1, 2, 3, 4, 5, 6]
     assert all("loss/tb" in rec and "buffer/staleness_max" in rec for rec in records)

@@ -13,7 +13,7 @@ from tba.types import Batch, Sample
 
 
 def _prompts(tokenizer, n=2):
-    task = build_task("reasoning_gym:chain_sum", dataset_config={"min_terms": 2, "max_terms": 2, "max_digits": 1},
+    task = build_task("reasoning_gym:chain_sum", options={"min_terms": 2, "max_terms": 2, "max_digits": 1},
                       train_size=20, eval_size=4, prompt_template="{question} Answer with just the number.")
     return task, [task.encode(tokenizer, p) for p in task.train[:n]]
 

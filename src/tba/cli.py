@@ -100,10 +100,8 @@ def run_train(cfg, *, show_progress: bool = True) -> dict:
         with RayRuntime(cfg, policy_path, ref_path, on_metrics=logger.log) as rt:
             rt.start_searchers()
             if cfg.run.eval_before:
-                before = rt.evaluate()
-                summary["accuracy_before"] = before["accuracy"]
-                print(f"eval before: accuracy {before['accuracy']:.3f} +- {before['stderr']:.3f} "
-                      f"on {before['n']} problems", flush=True)
+                summary["eval_before"] = _numbers(rt.evaluate())
+                print(f"eval before training: {_fmt_metrics(summary['eval_before'])}", flush=True)
             bar = _progress_bar(cfg.trainer.max_steps) if show_progress else None
             t_train = time.monotonic()
             state = rt.train(bar)
@@ -114,9 +112,8 @@ def run_train(cfg, *, show_progress: bool = True) -> dict:
             summary["searcher_nodes"] = sorted(set(rt.searcher_nodes()))
             if cfg.run.eval_after:
                 after = rt.evaluate()
-                summary["accuracy_after"] = after["accuracy"]
-                summary["eval_stderr"] = after["stderr"]
-                summary["eval_examples"] = after["examples"]
+                summary["eval_after"] = _numbers(after)
+                summary["eval_examples"] = after.get("examples", [])
             if cfg.trainer.save_final:
                 summary["final_model"] = rt.save(str(run_dir / "final"))
     finally:
@@ -138,6 +135,14 @@ def run_train(cfg, *, show_progress: bool = True) -> dict:
     return summary
 
 
+def _numbers(result: dict) -> dict[str, float]:
+    return {k: v for k, v in result.items() if isinstance(v, (int, float))}
+
+
+def _fmt_metrics(m: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
+
+
 def _dump_yaml(data: dict) -> str:
     import yaml
 
@@ -147,11 +152,13 @@ def _dump_yaml(data: dict) -> str:
 def print_summary(s: dict) -> None:
     """Human-readable end-of-run summary."""
     lines = ["", "== tba summary =="]
-    if "accuracy_before" in s or "accuracy_after" in s:
-        b, a = s.get("accuracy_before"), s.get("accuracy_after")
+    before, after = s.get("eval_before", {}), s.get("eval_after", {})
+    for key in [k for k in {**before, **after} if k not in ("n", "stderr")]:
+        b, a = before.get(key), after.get(key)
         fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
-        gain = f" (gain {a - b:+.3f}, eval stderr {s.get('eval_stderr', 0):.3f})" if a is not None and b is not None else ""
-        lines.append(f"greedy accuracy: before {fmt(b)} -> after {fmt(a)}{gain}")
+        gain = f" (change {a - b:+.3f})" if a is not None and b is not None else ""
+        noise = f", eval stderr {after['stderr']:.3f} on {after['n']} problems" if key == "accuracy" and "stderr" in after else ""
+        lines.append(f"eval {key}: before {fmt(b)} -> after {fmt(a)}{gain}{noise}")
     lines += [
         f"trainer steps: {s['trainer_steps']}   samples generated: {s['samples_generated']}",
         f"wall time: {s['wall_s']:.0f} s (training {s['train_wall_s']:.0f} s)",

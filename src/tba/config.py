@@ -52,8 +52,10 @@ class TaskConfig(_Section):
         None,
         description="gsm8k only: hub dataset id (openai/gsm8k) or a folder/JSONL file with question/answer rows.",
     )
-    dataset_config: dict[str, Any] = Field(
-        default_factory=dict, description="reasoning-gym dataset settings, e.g. {min_terms: 2, max_terms: 2}."
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Task-specific settings: for reasoning-gym the dataset's own (e.g. {min_terms: 2, max_terms: 2}); "
+        "other tasks document theirs in their module.",
     )
     train_size: int = Field(2000, ge=1, description="Training prompts (reasoning-gym: generated; gsm8k: first N).")
     eval_size: int = Field(200, ge=1, description="Held-out problems for greedy eval accuracy.")
@@ -79,6 +81,11 @@ class SearcherConfig(_Section):
     max_new_tokens: int = Field(64, ge=1, description="Response length cap in tokens.")
     temperature: float = Field(
         0.7, gt=0, description="Sampling temperature; also divides logits in every log-prob (paper: 0.7)."
+    )
+    temperature_range: Optional[tuple[float, float]] = Field(
+        None,
+        description="If set, each generation batch samples at a temperature drawn uniformly from [low, high] "
+        "(paper red-teaming: [0.7, 2.0]); log-probs for the loss still use `temperature`.",
     )
     reward_timeout_s: float = Field(
         10.0, gt=0, description="Seconds one reward call may take; a timeout or exception marks the sample failed."
@@ -221,7 +228,7 @@ def set_dotted(data: dict, dotted: str, value: Any) -> None:
 
 
 def _set_free(d: dict, parts: list[str], value: Any) -> dict:
-    # free-form dict fields (task.dataset_config.min_terms=3)
+    # free-form dict fields (task.options.min_terms=3)
     node = d
     for p in parts[:-1]:
         node = node.setdefault(p, {})

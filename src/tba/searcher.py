@@ -12,7 +12,8 @@ import time
 import torch
 
 from tba.models import token_logprobs
-from tba.rewards import call_with_timeout
+from tba.tasks.base import Task
+from tba.rewards import call_with_timeout, check_reward
 from tba.types import Sample
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ class Searcher:
         prompts_per_batch: prompts per generation batch.
         samples_per_prompt: S responses per prompt.
         max_new_tokens: response cap, tokens.
-        temperature: sampling temperature (also used for both log-probs).
+        temperature: training temperature: reference log-probs use it (as does the trainer).
+        temperature_range: if set, each batch samples at a temperature uniform in [low, high] (paper
+            red-teaming); behaviour log-probs are then at that batch's temperature.
         reward_timeout_s: seconds per reward call before the sample is marked failed.
         failed_reward: reward for failed samples; None drops them.
         score_micro_batch: responses per reference forward pass.
@@ -40,7 +43,7 @@ class Searcher:
 
     def __init__(self, engine, ref_model, task, tokenizer, problem_ids: list[int], searcher_id: int = 0, *,
                  prompts_per_batch: int = 4, samples_per_prompt: int = 8, max_new_tokens: int = 64,
-                 temperature: float = 0.7, reward_timeout_s: float = 10.0, failed_reward: float | None = None,
+                 temperature: float = 0.7, temperature_range: tuple[float, float] | None = None, reward_timeout_s: float = 10.0, failed_reward: float | None = None,
                  score_micro_batch: int = 16, seed: int = 0):
         if not problem_ids:
             raise ValueError(f"searcher {searcher_id} has no prompts: more searchers than training prompts?")
@@ -48,7 +51,7 @@ class Searcher:
         self.searcher_id = searcher_id
         self.problem_ids = list(problem_ids)
         self.prompts_per_batch, self.samples_per_prompt = prompts_per_batch, samples_per_prompt
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.max_new_tokens, self.temperature, self.temperature_range = max_new_tokens, temperature, temperature_range
         self.reward_timeout_s, self.failed_reward = reward_timeout_s, failed_reward
         self.score_micro_batch = score_micro_batch
         self.version = 0
@@ -82,14 +85,15 @@ class Searcher:
         t0 = time.perf_counter()
         pids = self.next_prompts()
         prompts = [self._prompt_ids[i] for i in pids]
-        gens = self.engine.generate(prompts, self.samples_per_prompt, self.max_new_tokens, self.temperature)
+        temp = self._rng.uniform(*self.temperature_range) if self.temperature_range else self.temperature
+        gens = self.engine.generate(prompts, self.samples_per_prompt, self.max_new_tokens, temp)
         t_gen = time.perf_counter() - t0
         flat = [(pid, prompt, g) for pid, prompt, group in zip(pids, prompts, gens) for g in group]
         ref = self._ref_logprobs([p for _, p, _ in flat], [g.response_ids for _, _, g in flat])
+        texts = [self.tokenizer.decode(g.response_ids, skip_special_tokens=True) for _, _, g in flat]
+        scored = self._score(texts, [self.task.train[pid] for pid, _, _ in flat])
         samples, failures = [], 0
-        for (pid, prompt, g), ref_lp in zip(flat, ref):
-            text = self.tokenizer.decode(g.response_ids, skip_special_tokens=True)
-            reward, err = call_with_timeout(self.task.reward, text, self.task.train[pid], timeout_s=self.reward_timeout_s)
+        for (pid, prompt, g), ref_lp, (reward, err) in zip(flat, ref, scored):
             if err is not None:
                 failures += 1
                 log.warning("searcher %d: reward failed for prompt %d: %s", self.searcher_id, pid, err)
@@ -109,6 +113,21 @@ class Searcher:
             "searcher/step_s": time.perf_counter() - t0,
         }
         return samples, metrics
+
+    def _score(self, texts: list[str], problems: list) -> list[tuple[float | None, str | None]]:
+        """(reward, None) or (None, reason) per response, never raising; batched when the task batches."""
+        if type(self.task).reward_batch is not Task.reward_batch:
+            values, err = call_with_timeout(self.task.reward_batch, texts, problems,
+                                            timeout_s=self.reward_timeout_s * len(texts))
+            if err is None and isinstance(values, (list, tuple)) and len(values) == len(texts):
+                return [check_reward(v) for v in values]
+            log.warning("searcher %d: batched reward failed (%s); scoring one by one", self.searcher_id,
+                        err or f"returned {type(values).__name__} of the wrong length")
+        out = []
+        for text, problem in zip(texts, problems):
+            value, err = call_with_timeout(self.task.reward, text, problem, timeout_s=self.reward_timeout_s)
+            out.append((None, err) if err is not None else check_reward(value))
+        return out
 
     @torch.no_grad()
     def _ref_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:

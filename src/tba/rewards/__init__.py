@@ -7,20 +7,20 @@ import threading
 from typing import Any, Callable
 
 
-def call_with_timeout(fn: Callable[..., float], *args: Any, timeout_s: float) -> tuple[float | None, str | None]:
+def call_with_timeout(fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[Any, str | None]:
     """Run ``fn(*args)`` in a daemon thread, waiting at most ``timeout_s`` seconds.
 
-    A reward that raises, hangs or returns a non-finite value marks only its own sample; a hung call is
+    A reward that raises or hangs marks only its own sample(s); a hung call is
     abandoned in its daemon thread (Python cannot kill a thread), so the searcher never blocks.
 
     Returns:
-        ``(reward, None)`` on success, ``(None, reason)`` on failure.
+        ``(value, None)`` on success, ``(None, reason)`` on failure.
     """
     box: dict[str, Any] = {}
 
     def target() -> None:
         try:
-            box["value"] = float(fn(*args))
+            box["value"] = fn(*args)
         except BaseException as e:  # noqa: BLE001 - any scorer failure is reported, never raised
             box["error"] = f"{type(e).__name__}: {e}"
 
@@ -31,6 +31,13 @@ def call_with_timeout(fn: Callable[..., float], *args: Any, timeout_s: float) ->
         return None, f"timeout after {timeout_s:g} s"
     if "error" in box:
         return None, box["error"]
-    if not isfinite(box["value"]):
-        return None, f"non-finite reward {box['value']}"
     return box["value"], None
+
+
+def check_reward(value: Any) -> tuple[float | None, str | None]:
+    """``(float(value), None)`` for a finite number, else ``(None, reason)``."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None, f"reward is not a number: {value!r}"
+    return (value, None) if isfinite(value) else (None, f"non-finite reward {value}")

