@@ -24,37 +24,41 @@ TINY = [
 ]
 
 
-def _tba(args, timeout=420, **kw):
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+def _env(marker: str = "") -> dict:
+    # the marker is inherited by Ray's daemons and workers, so a test finds exactly the processes its run made
+    return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TBA_TEST_MARKER": marker}
+
+
+def _tba(args, timeout=420, marker: str = "", **kw):
     return subprocess.run([sys.executable, "-m", "tba.cli", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, **kw)
+                          timeout=timeout, env=_env(marker), **kw)
 
 
-def _ray_processes() -> list[int]:
-    """PIDs of Ray daemons and workers (raylet, gcs_server, ray:: workers) on this machine."""
+def _processes_with(marker: str) -> list[int]:
+    """PIDs whose environment carries TBA_TEST_MARKER=marker (the CLI, Ray daemons and workers)."""
+    needle = f"TBA_TEST_MARKER={marker}".encode() + b"\0"
     pids = []
     for d in Path("/proc").iterdir():
-        if d.name.isdigit():
+        if d.name.isdigit() and int(d.name) != os.getpid():
             try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
+                if needle in (d / "environ").read_bytes() + b"\0":
+                    pids.append(int(d.name))
             except OSError:
                 continue
-            if b"raylet" in cmd or b"gcs_server" in cmd or cmd.startswith(b"ray::"):
-                pids.append(int(d.name))
     return pids
 
 
-def _assert_no_ray_left(before: set[int]):
+def _assert_nothing_left(marker: str):
     deadline = time.monotonic() + 30
-    while set(_ray_processes()) - before and time.monotonic() < deadline:
+    while _processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not set(_ray_processes()) - before, "Ray processes left behind"
+    assert not _processes_with(marker), "processes of the run were left behind"
 
 
 def test_async_run_end_to_end(tmp_path, model_path):
-    before = set(_ray_processes())
     out = tmp_path / "run"
-    r = _tba([*TINY, "--max-steps", "6", "--trainer.sync_period", "2", "--output-dir", str(out)])
+    marker = f"async-{os.getpid()}-{time.time()}"
+    r = _tba([*TINY, "--max-steps", "6", "--trainer.sync_period", "2", "--output-dir", str(out)], marker=marker)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == 6
@@ -78,7 +82,7 @@ def test_async_run_end_to_end(tmp_path, model_path):
     assert final.config.num_hidden_layers == 2
     w0, w1 = init.model.layers[0].mlp.up_proj.weight, final.model.layers[0].mlp.up_proj.weight
     assert not torch.allclose(w0, w1)
-    _assert_no_ray_left(before)
+    _assert_nothing_left(marker)
 
 
 def test_sync_mode_is_on_policy(tmp_path):
@@ -103,12 +107,11 @@ def test_bad_config_fails_before_loading(tmp_path):
 
 
 def test_ctrl_c_stops_cleanly(tmp_path):
-    before = set(_ray_processes())
     out = tmp_path / "intr"
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
+    marker = f"intr-{os.getpid()}-{time.time()}"
     p = subprocess.Popen([sys.executable, "-m", "tba.cli", "train", *TINY, "--max-steps", "500",
                           "--run.eval_before", "false", "--output-dir", str(out)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(marker))
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (out / "metrics.jsonl").exists() or \
             (out / "metrics.jsonl").exists() and not (out / "metrics.jsonl").read_text():
@@ -118,7 +121,7 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     output, _ = p.communicate(timeout=120)
     assert p.returncode == 130, output[-2000:]
     assert "interrupted" in output
-    _assert_no_ray_left(before)
+    _assert_nothing_left(marker)
 
 
 def test_two_node_cluster_spreads_searchers(tmp_path):
