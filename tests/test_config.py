@@ -13,7 +13,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def test_overrides_both_syntaxes_and_yaml_values():
-    path, ov = parse_train_args(["cfg.yaml", "--trainer.lr", "3e-5", "buffer.on_policy_prob=0.5",
+    path, ov, _ = parse_train_args(["cfg.yaml", "--trainer.lr", "3e-5", "buffer.on_policy_prob=0.5",
                                  "--max-steps", "7", "task.options.min_terms=3"])
     assert path == "cfg.yaml"
     cfg = load_config(None, ov)

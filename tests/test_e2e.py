@@ -48,6 +48,13 @@ def _processes_with(marker: str) -> list[int]:
     return pids
 
 
+def _connections(psutil, pid):
+    try:
+        return psutil.Process(pid).net_connections(kind="inet")
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return []
+
+
 def _assert_nothing_left(marker: str):
     deadline = time.monotonic() + 30
     while _processes_with(marker) and time.monotonic() < deadline:
@@ -117,10 +124,17 @@ def test_ctrl_c_stops_cleanly(tmp_path):
             (out / "metrics.jsonl").exists() and not (out / "metrics.jsonl").read_text():
         time.sleep(0.5)
         assert p.poll() is None, p.stdout.read()
+    # every socket the run listens on (driver, Ray daemons, actors) is on loopback
+    import psutil
+
+    listening = [c.laddr for pid in _processes_with(marker) for c in _connections(psutil, pid)
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening and all(a.ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for a in listening), listening
     p.send_signal(signal.SIGINT)
     output, _ = p.communicate(timeout=120)
     assert p.returncode == 130, output[-2000:]
     assert "interrupted" in output
+    assert (out / "checkpoint" / "driver.json").is_file()  # Ctrl-C saved a resumable checkpoint
     _assert_nothing_left(marker)
 
 
@@ -142,3 +156,46 @@ def test_two_node_cluster_spreads_searchers(tmp_path):
         assert summary["trainer_steps"] == 2
     finally:
         cluster.shutdown()
+
+
+def _wait_for(predicate, proc, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.3)
+
+
+def test_sigkill_then_resume(tmp_path):
+    """A run killed with SIGKILL resumes from its last periodic checkpoint and ends at max_steps, with the
+    buffer restored, metrics appended and the prompt cursor carried over."""
+    from tba.checkpoint import read_json
+
+    out = tmp_path / "kill"
+    marker = f"kill-{os.getpid()}-{time.time()}"
+    args = [*TINY, "--max-steps", "8", "--run.checkpoint_every", "2", "--run.eval_after", "false",
+            "--trainer.save_final", "false", "--output-dir", str(out)]
+    p = subprocess.Popen([sys.executable, "-m", "tba.cli", "train", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=_env(marker))
+    ckpt = out / "checkpoint" / "driver.json"
+    _wait_for(lambda: ckpt.is_file() and read_json(ckpt)["step"] >= 4, p)
+    p.kill()
+    p.wait(timeout=30)
+    for pid in _processes_with(marker):  # SIGKILL leaves the driver no chance to stop its Ray instance
+        os.kill(pid, signal.SIGKILL)
+    saved = read_json(out / "checkpoint" / "driver.json")["step"]
+    buffer_state = read_json(out / "checkpoint" / "buffer.json")
+    n_saved = len(buffer_state["buffer"]["samples"])
+    lines_before = len(read_metrics(out / "metrics.jsonl"))
+    assert lines_before >= saved
+
+    r = _tba(["--resume", str(out)], marker=marker)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed at trainer step {saved}" in r.stdout
+    assert n_saved > 0 and f"with {n_saved} samples" in r.stdout
+    records = read_metrics(out / "metrics.jsonl")
+    assert len(records) > lines_before  # appended after the first run's records, which are kept
+    assert [rec["step"] for rec in records[lines_before:]] == list(range(saved + 1, 9))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer_steps"] == 8 and "eval_before" in summary  # carried over from the first run
+    _assert_nothing_left(marker)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,8 @@ def _train_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/quickstart.yaml); omitted = defaults")
+    p.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue RUN_DIR from its checkpoint to trainer.max_steps (its config.yaml + overrides)")
     p.add_argument("assignments", nargs="*", help="overrides as section.field=VALUE")
     for flag, dotted in SHORTCUTS.items():
         p.add_argument(flag, dest=dotted, default=argparse.SUPPRESS, metavar="V", help=f"same as --{dotted}")
@@ -34,8 +37,8 @@ def _train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_train_args(argv: list[str]) -> tuple[str | None, dict]:
-    """Split ``tba train`` arguments into the config path and a dict of dotted overrides.
+def parse_train_args(argv: list[str]) -> tuple[str | None, dict, str | None]:
+    """Split ``tba train`` arguments into the config path, a dict of dotted overrides and the resume dir.
 
     Raises:
         ConfigError: an assignment without '='.
@@ -43,6 +46,7 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, dict]:
     ns = vars(_train_parser().parse_intermixed_args(argv))
     config = ns.pop("config")
     assignments = ns.pop("assignments")
+    resume = ns.pop("resume")
     if config and "=" in config:  # `tba train trainer.lr=1e-5` with no config file
         assignments, config = [config, *assignments], None
     overrides = {k: parse_value(v) for k, v in ns.items()}
@@ -51,13 +55,15 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, dict]:
         if not eq:
             raise ConfigError(f"override '{a}' must look like section.field=VALUE")
         overrides[key.strip().lstrip("-")] = parse_value(value)
-    return config, overrides
+    if resume and config is None:
+        config = str(Path(resume) / "config.yaml")
+    return config, overrides, resume
 
 
 def _progress_bar(total: int):
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
     t0 = time.monotonic()
 
     def update(step: int, m: dict) -> None:
@@ -75,8 +81,10 @@ def _loss_key(m: dict) -> str:
                  ("tb", "rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo")), "loss/tb")
 
 
-def run_train(cfg, *, show_progress: bool = True) -> dict:
+def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True) -> dict:
     """Run one training job from a validated config; returns the summary (also written to summary.json).
+
+    With ``resume_dir`` the run continues from that directory's checkpoint, appending to its metrics.
 
     Raises:
         ModelLoadError, DataError, FileNotFoundError, ValueError: bad model/data, before Ray starts.
@@ -90,17 +98,30 @@ def run_train(cfg, *, show_progress: bool = True) -> dict:
     task = task_from_config(cfg)  # fails fast on bad data, before any model loads
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
-    run_dir = Path(cfg.run.output_dir.format(task=task.name.replace(":", "-"), time=time.strftime("%Y%m%d-%H%M%S")))
+    _check_prompts(task, policy_path, cfg.searcher.max_new_tokens)
+    if resume_dir:
+        from tba.checkpoint import find
+
+        run_dir = Path(resume_dir)
+        find(run_dir)  # fail before starting Ray when there is nothing to resume
+    else:
+        run_dir = Path(cfg.run.output_dir.format(task=task.name.replace(":", "-"), time=time.strftime("%Y%m%d-%H%M%S")))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(_dump_yaml(cfg.model_dump()))
     logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.wandb_project, cfg.model_dump())
     print(f"run directory: {run_dir}", flush=True)
     summary: dict = {"run_dir": str(run_dir), "task": task.name, "mode": cfg.run.mode, "loss": cfg.loss.name}
     try:
-        with RayRuntime(cfg, policy_path, ref_path, on_metrics=logger.log) as rt:
+        with RayRuntime(cfg, policy_path, ref_path, run_dir, on_metrics=logger.log) as rt:
+            if resume_dir:
+                state = rt.resume()
+                summary.update(state.extra)
+                held = int(rt.stats()["buffer/size"])
+                print(f"resumed at trainer step {state.step} with {held} samples in the buffer", flush=True)
             rt.start_searchers()
-            if cfg.run.eval_before:
+            if cfg.run.eval_before and "eval_before" not in summary:
                 summary["eval_before"] = _numbers(rt.evaluate())
+                rt.state.extra["eval_before"] = summary["eval_before"]
                 print(f"eval before training: {_fmt_metrics(summary['eval_before'])}", flush=True)
             bar = _progress_bar(cfg.trainer.max_steps) if show_progress else None
             t_train = time.monotonic()
@@ -133,6 +154,19 @@ def run_train(cfg, *, show_progress: bool = True) -> dict:
         summary["learning_curve"] = str(plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png"))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _check_prompts(task, model_path: str, max_new_tokens: int) -> None:
+    """Empty or over-long prompts fail here, before Ray starts (one clear line, see Task.check_prompts)."""
+    from transformers import AutoConfig
+
+    from tba.models import load_tokenizer
+
+    try:
+        max_positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    except OSError:
+        max_positions = None  # a hub id we cannot reach yet: the workers will report it
+    task.check_prompts(load_tokenizer(model_path), max_positions, max_new_tokens)
 
 
 def _numbers(result: dict) -> dict[str, float]:
@@ -170,6 +204,10 @@ def print_summary(s: dict) -> None:
     print("\n".join(lines), flush=True)
 
 
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tba`` command; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -184,13 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     from tba.models import ModelLoadError
 
     try:
-        path, overrides = parse_train_args(rest)
+        path, overrides, resume = parse_train_args(rest)
         cfg = load_config(path, overrides)
-        summary = run_train(cfg)
+        signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM checkpoints and cleans up like Ctrl-C
+        summary = run_train(cfg, resume_dir=resume)
     except KeyboardInterrupt:
         print("\ninterrupted; all actors stopped", file=sys.stderr)
         return 130
-    except (ConfigError, ModelLoadError, FileNotFoundError, ValueError, TimeoutError) as e:
+    except FloatingPointError as e:
+        print(f"error: {e} (a checkpoint was saved)", file=sys.stderr)
+        return 1
+    except (ConfigError, ModelLoadError, OSError, ValueError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     except Exception as e:  # noqa: BLE001 - one line for the user; the Ray traceback is already logged

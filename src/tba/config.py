@@ -140,6 +140,9 @@ class TrainerConfig(_Section):
         2, ge=1, description="k: publish weights to searchers every k steps (paper: 2 GSM8K, 10 TL;DR)."
     )
     threads: int = Field(1, ge=1, description="torch CPU threads of the trainer.")
+    max_consecutive_skips: int = Field(
+        5, ge=0, description="Stop (with a checkpoint) after this many steps in a row with a non-finite loss/grad."
+    )
     save_final: bool = Field(True, description="Save the final policy in Hugging Face format under RUN_DIR/final.")
 
 
@@ -157,7 +160,9 @@ class RunConfig(_Section):
     eval_before: bool = Field(True, description="Measure greedy eval accuracy before training.")
     eval_after: bool = Field(True, description="Measure greedy eval accuracy after training.")
     eval_batch_size: int = Field(32, ge=1, description="Prompts per greedy eval batch.")
-    log_every: int = Field(1, ge=1, description="Trainer steps between metric records.")
+    checkpoint_every: int = Field(
+        25, ge=0, description="Trainer steps between checkpoints in RUN_DIR/checkpoint (0 = only on Ctrl-C/SIGTERM)."
+    )
     tensorboard: bool = Field(True, description="Write TensorBoard event files under RUN_DIR/tb.")
     wandb_project: Optional[str] = Field(None, description="Also log to this W&B project (needs wandb installed).")
     startup_timeout_s: float = Field(

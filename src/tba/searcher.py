@@ -140,13 +140,15 @@ class Searcher:
         return out
 
     def state_dict(self) -> dict:
-        """Prompt cursor and RNG, so a resumed searcher neither skips nor repeats prompts (JSON-safe)."""
-        return {"order": list(self._order), "rng": _rng_to_json(self._rng.getstate()), "version": self.version}
+        """Prompt cursor and RNGs, so a resumed searcher neither skips nor repeats prompts (JSON-safe)."""
+        return {"order": list(self._order), "rng": _rng_to_json(self._rng.getstate()), "version": self.version,
+                "torch_rng": torch.get_rng_state().tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`."""
         self._order = [i for i in state["order"] if i in self._prompt_ids]
         self._rng.setstate(_rng_from_json(state["rng"]))
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
 
 
 def _rng_to_json(state):

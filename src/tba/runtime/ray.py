@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import ray
 
+from tba import checkpoint
 from tba.buffer import ReplayBuffer
 from tba.config import Config
 
@@ -63,6 +65,17 @@ class BufferActor:
         """Searchers finish their current batch and return."""
         self.stop = True
 
+    def state_dict(self) -> dict:
+        """Buffer contents and sampling state plus counters (JSON-safe; weights are the trainer's)."""
+        return {"buffer": self.buffer.state_dict(), "samples_added": self.samples_added,
+                "reward_failures": self.reward_failures}
+
+    def load_state_dict(self, state: dict) -> int:
+        """Restore :meth:`state_dict`; returns the number of samples now held."""
+        self.buffer.load_state_dict(state["buffer"])
+        self.samples_added, self.reward_failures = state["samples_added"], state["reward_failures"]
+        return len(self.buffer)
+
     def stats(self, drain: bool = True) -> dict:
         """Buffer stats, counters and the mean of searcher metrics since the last drain."""
         out = dict(self.buffer.stats())
@@ -91,6 +104,14 @@ class SearcherActor:
     def node_id(self) -> str:
         """Ray node this searcher runs on."""
         return ray.get_runtime_context().get_node_id()
+
+    def state_dict(self) -> dict:
+        """Prompt cursor and RNG (answered while ``run`` is busy: the actor has two threads)."""
+        return self.searcher.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` before ``run`` starts."""
+        self.searcher.load_state_dict(state)
 
     def run(self, buffer, max_batches: int | None = None) -> int:
         """Loop: load newer weights if published -> generate a batch -> add it. Returns batches made."""
@@ -142,6 +163,19 @@ class TrainerActor:
         self.trainer.model.train()
         return result
 
+    def save_checkpoint(self, directory: str) -> None:
+        """Weights, optimizer, scheduler, step and RNG into ``directory`` (safetensors + JSON)."""
+        t = self.trainer
+        checkpoint.save_trainer(Path(directory), t.model, t.optimizer, t.scheduler,
+                                {"step": t.step_count, "skipped_steps": t.skipped_steps})
+
+    def load_checkpoint(self, directory: str) -> int:
+        """Restore :meth:`save_checkpoint`; returns the trainer step."""
+        t = self.trainer
+        extra = checkpoint.load_trainer(Path(directory), t.model, t.optimizer, t.scheduler)
+        t.step_count, t.skipped_steps = extra["step"], extra["skipped_steps"]
+        return t.step_count
+
     def save(self, path: str) -> str:
         """Save the policy and tokenizer in Hugging Face format."""
         self.trainer.model.save_pretrained(path)
@@ -149,24 +183,29 @@ class TrainerActor:
         return path
 
 
-def init_ray(cfg: Config) -> bool:
-    """Join ``run.ray_address`` or start a loopback-only local instance. Returns True if we started it."""
+def _loopback_only() -> None:
+    """Keep Ray on 127.0.0.1: its single-machine switch (read by the driver at call time and by the daemons
+    from the environment they inherit) binds every gRPC server to loopback and stops Ray from rewriting a
+    loopback address into the machine's external IP."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def init_ray(cfg: Config) -> None:
+    """Join ``run.ray_address``, or start a private local instance that listens on loopback only."""
     env = {"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}}
     if cfg.run.ray_address:
         host = cfg.run.ray_address.rsplit(":", 1)[0].strip("[]")
         loopback = host in ("localhost", "::1") or host.startswith("127.")
         if loopback:
-            # Ray rewrites a loopback address to the machine's external IP before connecting, which a
-            # cluster bound to loopback does not listen on; this switch (Ray's own, read at call time)
-            # keeps it on loopback.
-            ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
+            _loopback_only()
         ray.init(address=cfg.run.ray_address, runtime_env=env, logging_level=logging.WARNING,
                  **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
-        return True
+        return
+    _loopback_only()
     need = cfg.trainer.threads + cfg.searcher.num_searchers * cfg.searcher.threads + 1
     ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, _node_ip_address="127.0.0.1",
              runtime_env=env, logging_level=logging.WARNING, configure_logging=True)
-    return True
 
 
 @dataclass
@@ -177,6 +216,8 @@ class RunState:
     staleness_sum: float = 0.0
     staleness_max: float = 0.0
     searcher_restarts: int = 0
+    consecutive_skips: int = 0
+    extra: dict = field(default_factory=dict)  # e.g. eval_before, carried across resumes
     last: dict = field(default_factory=dict)
 
 
@@ -186,11 +227,14 @@ class RayRuntime:
     Args:
         cfg: the validated config.
         policy_path, ref_path: prepared model paths (see :func:`tba.models.prepare_model`).
+        run_dir: where checkpoints go (the trainer actor writes its tensors there directly, so on a
+            cluster it must be storage the trainer's node can reach).
         on_metrics: called as ``on_metrics(step, metrics)`` after every trainer step.
     """
 
-    def __init__(self, cfg: Config, policy_path: str, ref_path: str, on_metrics=None):
+    def __init__(self, cfg: Config, policy_path: str, ref_path: str, run_dir: str | Path, on_metrics=None):
         self.cfg, self.policy_path, self.ref_path = cfg, policy_path, ref_path
+        self.run_dir = Path(run_dir)
         self.on_metrics = on_metrics or (lambda step, m: None)
         self.state = RunState()
         self.actors: list = []
@@ -241,17 +285,58 @@ class RayRuntime:
         """Buffer and searcher counters (not drained)."""
         return ray.get(self.buffer.stats.remote(False))
 
+    def save_checkpoint(self) -> Path:
+        """Write a complete checkpoint of trainer, buffer, searcher cursors and run state; returns its folder."""
+        tmp = checkpoint.begin(self.run_dir)
+        ray.get(self.trainer.save_checkpoint.remote(str(tmp)))
+        checkpoint.write_json(tmp / "buffer.json", ray.get(self.buffer.state_dict.remote()))
+        checkpoint.write_json(tmp / "searchers.json", ray.get([s.state_dict.remote() for s in self.searchers]))
+        state = {k: v for k, v in asdict(self.state).items() if k != "last"}
+        checkpoint.write_json(tmp / "driver.json", state)
+        return checkpoint.commit(self.run_dir)
+
+    def resume(self) -> RunState:
+        """Load the run directory's checkpoint into the actors and publish the restored weights.
+
+        Raises:
+            FileNotFoundError: no checkpoint in the run directory.
+        """
+        ckpt = checkpoint.find(self.run_dir)
+        step = ray.get(self.trainer.load_checkpoint.remote(str(ckpt)))
+        ray.get(self.buffer.load_state_dict.remote(checkpoint.read_json(ckpt / "buffer.json")))
+        cursors = checkpoint.read_json(ckpt / "searchers.json")
+        ray.get([s.load_state_dict.remote(c) for s, c in zip(self.searchers, cursors)])
+        driver = checkpoint.read_json(ckpt / "driver.json")
+        self.state = RunState(**driver)
+        if step != self.state.step:
+            raise RuntimeError(f"checkpoint {ckpt} is inconsistent: trainer step {step}, run step {self.state.step}")
+        self._publish(step)
+        ray.get(self.buffer.sync.remote(max(0, step - self.cfg.trainer.sync_period)))
+        return self.state
+
     def start_searchers(self) -> None:
         """Async mode: start every searcher's endless loop now (they fill the buffer during the eval)."""
+        self.runs = []
         if self.cfg.run.mode == "async":
             self.runs = [s.run.remote(self.buffer) for s in self.searchers]
 
     def train(self, progress=None) -> RunState:
-        """Run ``trainer.max_steps`` steps in the configured mode; returns the run state."""
-        if self.cfg.run.mode == "sync":
-            self._train_sync(progress)
-        else:
-            self._train_async(progress)
+        """Run until ``trainer.max_steps`` in the configured mode; returns the run state.
+
+        Ctrl-C / SIGTERM (KeyboardInterrupt) and too many non-finite steps in a row save a checkpoint
+        first, then propagate.
+        """
+        try:
+            if self.cfg.run.mode == "sync":
+                self._train_sync(progress)
+            else:
+                self._train_async(progress)
+        except (KeyboardInterrupt, FloatingPointError):
+            if self.state.step > 0:
+                path = self.save_checkpoint()
+                log.warning("saved checkpoint at step %d to %s (resume: tba train --resume %s)",
+                            self.state.step, path, self.run_dir)
+            raise
         ray.get(self.buffer.set_stop.remote())
         return self.state
 
@@ -260,7 +345,8 @@ class RayRuntime:
         c = self.cfg
         k = c.trainer.sync_period
         self._wait_for_fill()
-        ray.get(self.buffer.sync.remote(0))
+        if self.state.step == 0:
+            ray.get(self.buffer.sync.remote(0))
         while self.state.step < c.trainer.max_steps:
             self._check_searchers()
             metrics = ray.get(self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
@@ -299,6 +385,14 @@ class RayRuntime:
         self.on_metrics(st.step, metrics)
         if progress is not None:
             progress(st.step, metrics)
+        st.consecutive_skips = st.consecutive_skips + 1 if metrics.get("train/skipped") else 0
+        if st.consecutive_skips > self.cfg.trainer.max_consecutive_skips:
+            raise FloatingPointError(f"{st.consecutive_skips} trainer steps in a row had a non-finite loss or "
+                                     f"gradient (last loss metrics: { {k: v for k, v in metrics.items() if k.startswith('loss/')} }); "
+                                     "lower trainer.lr or check the rewards")
+        every = self.cfg.run.checkpoint_every
+        if every and st.step % every == 0 and st.step < self.cfg.trainer.max_steps:
+            self.save_checkpoint()
 
     def _wait_for_fill(self) -> None:
         deadline = time.monotonic() + self.cfg.run.startup_timeout_s

@@ -64,6 +64,21 @@ class Task:
         """Eval criterion: full reward."""
         return self.reward(response, problem) >= 1.0
 
+    def check_prompts(self, tokenizer, max_positions: int | None, max_new_tokens: int) -> None:
+        """Encode every train and eval prompt once so bad ones fail before any worker starts.
+
+        Raises:
+            ValueError: an empty prompt, or one whose tokens plus ``max_new_tokens`` exceed the model's
+                context (``max_positions``), naming the split and problem id.
+        """
+        for split, problems in (("train", self.train), ("eval", self.eval)):
+            for p in problems:
+                n = len(self.encode(tokenizer, p))
+                if max_positions and n + max_new_tokens > max_positions:
+                    raise ValueError(f"{self.name} {split} problem {p.id}: prompt of {n} tokens + "
+                                     f"searcher.max_new_tokens {max_new_tokens} exceeds the model's context of "
+                                     f"{max_positions} tokens")
+
     def encode(self, tokenizer, problem: Problem) -> list[int]:
         """Prompt token ids: the chat template when the tokenizer has one, else the raw user text.
 
@@ -71,7 +86,7 @@ class Task:
             ValueError: the formatted prompt is empty.
         """
         user = self.prompt_template.format(question=problem.question)
-        if not user.strip():
+        if not problem.question.strip():
             raise ValueError(f"{self.name}: problem {problem.id} has an empty prompt")
         if getattr(tokenizer, "chat_template", None):
             messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + [

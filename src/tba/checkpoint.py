@@ -1,0 +1,99 @@
+"""Checkpoints: tensors in safetensors, everything else in JSON (no pickle).
+
+Layout of ``RUN_DIR/checkpoint/``: ``policy.safetensors`` (float32 master weights), ``optimizer.safetensors``
++ ``optimizer.json``, ``trainer.json`` (step, scheduler, RNG), ``buffer.json``, ``searchers.json`` and
+``driver.json``. A checkpoint is written to ``checkpoint.tmp`` and renamed into place, so a crash while
+saving leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+CHECKPOINT = "checkpoint"
+
+
+def write_json(path: Path, data) -> None:
+    """Write ``data`` as JSON (floats kept exactly)."""
+    Path(path).write_text(json.dumps(data))
+
+
+def read_json(path: Path):
+    """Read a JSON file written by :func:`write_json`."""
+    return json.loads(Path(path).read_text())
+
+
+def save_trainer(directory: Path, model, optimizer, scheduler, extra: dict) -> None:
+    """Policy weights, AdamW moments, scheduler and torch RNG of the trainer, plus ``extra`` (JSON-safe).
+
+    Shared (tied) weights are stored once (``safetensors.torch.save_model``).
+    """
+    directory = Path(directory)
+    save_model(model, str(directory / "policy.safetensors"))
+    opt = optimizer.state_dict()
+    tensors = {f"{idx}.{name}": t.contiguous() for idx, st in opt["state"].items() for name, t in st.items()
+               if isinstance(t, torch.Tensor)}
+    tensors["__rng__"] = torch.get_rng_state()
+    save_file(tensors, str(directory / "optimizer.safetensors"))
+    write_json(directory / "optimizer.json", {"param_groups": opt["param_groups"]})
+    sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    write_json(directory / "trainer.json", {"scheduler": sched, **extra})
+
+
+def load_trainer(directory: Path, model, optimizer, scheduler) -> dict:
+    """Restore :func:`save_trainer`; returns its ``extra`` dict.
+
+    Raises:
+        FileNotFoundError: the checkpoint is incomplete.
+    """
+    directory = Path(directory)
+    load_model(model, str(directory / "policy.safetensors"))
+    tensors = load_file(str(directory / "optimizer.safetensors"))
+    torch.set_rng_state(tensors.pop("__rng__"))
+    state: dict = {}
+    for key, t in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = t
+    optimizer.load_state_dict({"state": state, **read_json(directory / "optimizer.json")})
+    extra = read_json(directory / "trainer.json")
+    scheduler.load_state_dict({**extra.pop("scheduler"), "lr_lambdas": [None] * len(optimizer.param_groups)})
+    return extra
+
+
+def begin(run_dir: Path) -> Path:
+    """A fresh temporary folder to write the next checkpoint into."""
+    tmp = Path(run_dir) / f"{CHECKPOINT}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit(run_dir: Path) -> Path:
+    """Atomically replace ``RUN_DIR/checkpoint`` with the folder from :func:`begin`."""
+    run_dir = Path(run_dir)
+    tmp, final, old = run_dir / f"{CHECKPOINT}.tmp", run_dir / CHECKPOINT, run_dir / f"{CHECKPOINT}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def find(run_dir: Path) -> Path:
+    """The checkpoint folder of a run directory (falls back to ``checkpoint.old`` after a crash mid-swap).
+
+    Raises:
+        FileNotFoundError: the run directory has no complete checkpoint.
+    """
+    for name in (CHECKPOINT, f"{CHECKPOINT}.old"):
+        path = Path(run_dir) / name
+        if (path / "driver.json").is_file():
+            return path
+    raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume (looked for {run_dir}/{CHECKPOINT})")

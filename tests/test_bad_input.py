@@ -1,0 +1,97 @@
+"""Bad input: each case fails with one clear line naming what is wrong, no traceback, non-zero exit.
+
+Runs the real ``tba`` entry point in-process (every case fails before Ray starts).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tba.cli import main
+
+QUICKSTART = str(Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml")
+GOOD_ROW = {"question": "Tom has 2 apples and buys 3 more. How many?", "answer": "2+3=5\n#### 5"}
+
+
+def _gsm8k_dir(tmp_path, rows: list[str]) -> str:
+    """A GSM8K folder whose train.jsonl holds ``rows`` (raw lines) after one good row."""
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    (d / "train.jsonl").write_text("\n".join([json.dumps(GOOD_ROW), *rows]) + "\n")
+    (d / "test.jsonl").write_text(json.dumps(GOOD_ROW) + "\n")
+    return str(d)
+
+
+def _bad_gguf(tmp_path) -> str:
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF but not really")
+    return str(f)
+
+
+def _empty_folder(tmp_path) -> str:
+    (tmp_path / "m").mkdir()
+    return str(tmp_path / "m")
+
+
+def _bad_yaml(tmp_path) -> str:
+    f = tmp_path / "c.yaml"
+    f.write_text("trainer: {lr: [1, 2\n")
+    return str(f)
+
+
+GSM = ["--task.name", "gsm8k", "--task.eval_size", "1"]
+CASES = [
+    # (id, argv builder, expected exit code, text that must appear in the one-line error)
+    ("missing config file", lambda t: [str(t / "nope.yaml")], 1, "config file not found"),
+    ("yaml syntax", lambda t: [_bad_yaml(t)], 2, "not valid YAML"),
+    ("unknown field", lambda t: ["--trainer.lrr", "1"], 2, "unrecognized arguments"),
+    ("unknown dotted field", lambda t: ["trainer.lrr=1"], 2, "unknown config field 'trainer.lrr'"),
+    ("negative lr", lambda t: ["--trainer.lr", "-1"], 2, "trainer.lr: Input should be greater than 0"),
+    ("bad loss name", lambda t: ["--loss.name", "ppo"], 2, "loss.name: Input should be 'tb'"),
+    ("m out of range", lambda t: ["buffer.on_policy_prob=2"], 2, "buffer.on_policy_prob"),
+    ("override without =", lambda t: [QUICKSTART, "trainer.lr"], 2, "must look like section.field=VALUE"),
+    ("K > S", lambda t: ["--trainer.group_size", "9"], 2, "must be >= trainer.group_size"),
+    ("missing model folder", lambda t: ["--model.policy", str(t / "no_model")], 1, "no such file or folder"),
+    ("not a gguf", lambda t: ["--model.policy", _bad_gguf(t), "--model.cache_dir", str(t / "c")], 1,
+     "is not a loadable GGUF model"),
+    ("folder without config.json", lambda t: ["--model.policy", _empty_folder(t)], 1, "no config.json"),
+    ("package not installed", lambda t: ["--model.policy", "pkg://no_such_pkg/x.gguf"], 1, "is not installed"),
+    ("missing dataset", lambda t: [*GSM, "--task.source", str(t / "none")], 1, "openai/gsm8k"),
+    ("bad JSON line", lambda t: [*GSM, "--task.source", _gsm8k_dir(t, ["{not json"])], 1, "train.jsonl:2"),
+    ("missing field", lambda t: [*GSM, "--task.source", _gsm8k_dir(t, ['{"question": "q?"}'])], 1,
+     "train.jsonl:2"),
+    ("wrong type", lambda t: [*GSM, "--task.source", _gsm8k_dir(t, ['{"question": 3, "answer": "#### 3"}'])], 1,
+     "train.jsonl:2"),
+    ("empty question", lambda t: [*GSM, "--task.source", _gsm8k_dir(t, ['{"question": " ", "answer": "#### 3"}'])],
+     1, "train.jsonl:2"),
+    ("unknown reasoning-gym dataset", lambda t: ["--task.name", "reasoning_gym:no_such_dataset"], 1,
+     "reasoning_gym:no_such_dataset"),
+    ("bad reasoning-gym option", lambda t: ["task.options={min_terms: 0}"], 1, "options"),
+    ("unknown task", lambda t: ["--task.name", "chess"], 1, "task.name 'chess' is unknown"),
+    ("template without {question}", lambda t: ["--task.prompt_template", "Solve it"], 1, "{question}"),
+    ("prompt longer than context", lambda t: ["--task.prompt_template", "{question}" + " word" * 9000,
+                                              "--task.train_size", "2", "--task.eval_size", "1"], 1,
+     "exceeds the model's context"),
+    ("resume without checkpoint", lambda t: ["--resume", str(t)], 1, "holds no checkpoint"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_one_clear_line(case, tmp_path, capsys, model_path):
+    _, build, code, text = case
+    argv = build(tmp_path)
+    if argv[:1] == ["--resume"]:
+        (tmp_path / "config.yaml").write_text("trainer: {max_steps: 2}\n")
+    rc = None
+    try:
+        rc = main(["train", *argv, "--output-dir", str(tmp_path / "run")])
+    except SystemExit as e:  # argparse reports unknown flags itself, with exit code 2
+        rc = e.code
+    err = capsys.readouterr().err
+    assert rc == code, err
+    assert text in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # nothing was started
