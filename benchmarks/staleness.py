@@ -41,11 +41,12 @@ roughly 4-5 hours, see benchmarks/README.md)::
     python benchmarks/staleness.py --steps 40 --seeds 0 1 --eval-size 100 \\
         --set trainer.beta_anneal_steps=40 --out benchmarks/results/staleness
 
-Full scale on a GPU (same study, bigger budget: flags only)::
+Full scale, e.g. on a GPU machine (the same study with a bigger budget: flags only; any config field,
+such as the learning rate or the number of searchers, can be changed for every cell with ``--set``)::
 
     python benchmarks/staleness.py --steps 500 --seeds 0 1 2 --eval-size 500 \\
         --set trainer.beta_anneal_steps=500 --set trainer.warmup_steps=25 --set trainer.decay_steps=150 \\
-        --set trainer.lr=1e-5 --set searcher.num_searchers=2 --out benchmarks/results/staleness-gpu
+        --out benchmarks/results/staleness-full
 
 Add ``--resume-results`` to continue a study in the same ``--out``; ``--report-only`` re-renders the table and
 plot from ``results.jsonl`` without training. Choose ``--steps`` well above the largest k (with k = 16 and
@@ -144,7 +145,7 @@ def append_result(path: Path, rec: dict) -> None:
 
 def series_name(objective: str, m: float) -> str:
     """Plot line / table label: tb is split by m, the others are one line each."""
-    return f"{objective} m={m:g}" if objective == "tb" else objective
+    return f"{objective} m={m:g}" if objective == "tb" else f"{objective} (m={m:g})"
 
 
 def aggregate(records: list[dict]) -> list[dict]:
@@ -180,7 +181,7 @@ def aggregate(records: list[dict]) -> list[dict]:
             "staleness_max": max(float(r["staleness_max"]) for r in rs),
             "wall_s": statistics.fmean(float(r["train_wall_s"]) for r in rs),
         })
-    order = {o: i for i, o in enumerate(ALL_OBJECTIVES)}
+    order = {o: i for i, o in enumerate(ALL_OBJECTIVES + ("dr_grpo", "ppo_clip"))}
     rows.sort(key=lambda r: (order.get(r["objective"], len(order)), r["objective"], -r["m"], r["k"], r["steps"],
                              str(r["setup"])))
     return rows
@@ -241,7 +242,7 @@ def plot(rows: list[dict], base: float | None, path: Path) -> Path:
         y = [r["acc_mean"] for r in rs]
         yerr = [[r["acc_mean"] - r["acc_min"] for r in rs], [r["acc_max"] - r["acc_mean"] for r in rs]]
         ax.errorbar(x, y, yerr=yerr, marker=markers[i % len(markers)], capsize=3, label=name,
-                    linestyle="--" if name.startswith("tb m=0.5") else "-")
+                    linestyle=":" if name == "tb m=0.5" else "-")
         for r in rs:
             ax.annotate(f"k={r['k']}", (r["staleness_mean"], r["acc_mean"]), textcoords="offset points",
                         xytext=(4, 4), fontsize=7)
@@ -298,11 +299,11 @@ def run_study(args) -> int:
     from tba.cli import run_train
     from tba.config import load_config
 
+    extra = {**BENCH_DEFAULTS, **_parse_sets(args.set)}
+    base_cfg = load_config(args.config, extra)  # validates --set before any model loads
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
-    extra = {**BENCH_DEFAULTS, **_parse_sets(args.set)}
-    base_cfg = load_config(args.config, extra)  # validates --set before any model loads
     steps = args.steps or base_cfg.trainer.max_steps
     eval_size = args.eval_size or base_cfg.task.eval_size
     setup = setup_id(args.config, steps, eval_size, extra)

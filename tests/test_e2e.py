@@ -199,3 +199,43 @@ def test_sigkill_then_resume(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == 8 and "eval_before" in summary  # carried over from the first run
     _assert_nothing_left(marker)
+
+
+def test_killed_searcher_is_restarted_and_run_completes(tmp_path):
+    """SIGKILL a searcher process mid-run: it is restarted with the newest weights, training continues."""
+    import psutil
+
+    out = tmp_path / "restart"
+    marker = f"restart-{os.getpid()}-{time.time()}"
+    p = subprocess.Popen([sys.executable, "-m", "tba.cli", "train", *TINY, "--max-steps", "10",
+                          "--run.eval_before", "false", "--run.eval_after", "false", "--trainer.save_final", "false",
+                          "--output-dir", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=_env(marker))
+    metrics = out / "metrics.jsonl"
+    _wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, p)
+    searchers = [pid for pid in _processes_with(marker)
+                 if "SearcherActor" in " ".join(psutil.Process(pid).cmdline())]
+    assert len(searchers) == 1
+    os.kill(searchers[0], signal.SIGKILL)
+    output, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, output[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer_steps"] == 10 and summary["searcher_restarts"] == 1
+    assert "searcher 0 died" in output
+    assert read_metrics(metrics)[-1]["searcher/restarts"] == 1.0
+    _assert_nothing_left(marker)
+
+
+def test_non_finite_steps_stop_with_checkpoint(tmp_path):
+    """An absurd learning rate makes the loss non-finite: steps are skipped, then the run stops with a
+    clear message and a resumable checkpoint."""
+    out = tmp_path / "nan"
+    r = _tba([*TINY, "--max-steps", "20", "--trainer.lr", "1e30", "--trainer.max_consecutive_skips", "2",
+              "--trainer.sync_period", "100",  # keep the broken weights away from the searchers
+              "--run.eval_before", "false", "--output-dir", str(out)])
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "trainer steps in a row had a non-finite loss or gradient" in r.stderr
+    assert "Traceback" not in r.stderr.split("error:")[-1]
+    records = read_metrics(out / "metrics.jsonl")
+    assert [rec["train/skipped"] for rec in records][-3:] == [1.0, 1.0, 1.0]
+    assert (out / "checkpoint" / "driver.json").is_file()

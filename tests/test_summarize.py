@@ -193,6 +193,19 @@ def test_evaluate_win_rate_and_perplexity(model_path, tokenizer, tiny_model):
     assert result["perplexity"] >= 1.0
 
 
+def test_runtime_passes_model_settings_as_default_options():
+    from tba.config import load_config
+    from tba.runtime.build import task_from_config
+
+    cfg = load_config(CONFIG, {"model.num_hidden_layers": 2, "searcher.max_new_tokens": 12,
+                               "task.options.judge_template": "{prompt} -> {summary}"})
+    o = task_from_config(cfg).options
+    assert (o["reference_model"], o["reference_layers"], o["max_new_tokens"]) == (cfg.model.policy, 2, 12)
+    assert o["judge_template"] == "{prompt} -> {summary}" and o["reward_model"] == "standin"
+    cfg = load_config(CONFIG, {"task.options.max_new_tokens": 99})
+    assert task_from_config(cfg).options["max_new_tokens"] == 99  # the task's own setting wins
+
+
 # -- e2e ------------------------------------------------------------------------------------------
 def _tba(args, timeout=300):
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}

@@ -325,7 +325,8 @@ class ReplayBuffer:
 
         Returns:
             ``buffer/size`` (samples), ``buffer/prompts``, ``buffer/recent_prompts``,
-            ``buffer/recent_samples``, ``buffer/pending_samples`` (added since the last sync) and, when
+            ``buffer/recent_samples``, ``buffer/pending_samples`` (added since the last sync),
+            ``buffer/largest_group`` (never above the capacity per prompt) and, when
             the buffer is non-empty, ``buffer/version_min`` / ``buffer/version_max`` (policy versions,
             trainer steps).
         """
@@ -335,6 +336,7 @@ class ReplayBuffer:
             "buffer/recent_prompts": float(len(self._recent)),
             "buffer/recent_samples": float(sum(len(v) for v in self._recent.values())),
             "buffer/pending_samples": float(sum(len(v) for v in self._pending.values())),
+            "buffer/largest_group": float(max((len(g.entries) for g in self._groups.values()), default=0)),
         }
         if self._size:
             versions = [s.policy_version for g in self._groups.values() for s in g.entries.values()]

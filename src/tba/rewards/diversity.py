@@ -112,7 +112,9 @@ def mean_pairwise_cosine_distance(emb: torch.Tensor, texts: list[str] | None = N
     unit = torch.nn.functional.normalize(emb.double(), dim=-1)
     dist = (1.0 - unit @ unit.T).clamp(min=0.0)  # [N, N]
     if texts is not None:
-        same = torch.tensor([[a == b for b in texts] for a in texts])
+        index: dict[str, int] = {}
+        ids = torch.tensor([index.setdefault(t, len(index)) for t in texts])
+        same = ids[:, None] == ids[None, :]  # [N, N]
         dist = dist.masked_fill(same, 0.0)
     iu = torch.triu_indices(n, n, offset=1)
     return float(dist[iu[0], iu[1]].mean())

@@ -103,6 +103,7 @@ class ToxicityClassifier:
 
         @torch.no_grad()
         def score(texts: list[str]) -> list[float]:
+            """p(toxic) per text: softmax (or sigmoid for one-logit / multi-label models) of the toxic column."""
             out = []
             for s in range(0, len(texts), self.batch_size):
                 enc = tok(texts[s : s + self.batch_size], padding=True, truncation=True, max_length=self.max_length,

@@ -32,12 +32,15 @@ def task_from_config(cfg: Config) -> Task:
 
     Tasks that load models of their own get the run's model settings as default options (values set in
     ``task.options`` win): ``summarize`` the reference model for perplexity, the policy's tokenizer and the
-    searchers' ``max_new_tokens`` (to detect cut-off responses); both it and ``redteam`` the GGUF cache.
+    searchers' ``max_new_tokens`` (to detect cut-off responses); ``redteam`` the training temperature for its
+    sampled eval attacks; both the GGUF cache.
     """
     t = cfg.task
     options = t.options
     if t.name in ("summarize", "redteam"):
         run = {"cache_dir": cfg.model.cache_dir}
+        if t.name == "redteam":
+            run["eval_temperature"] = cfg.searcher.temperature
         if t.name == "summarize":
             run.update(reference_model=cfg.model.reference or cfg.model.policy, tokenizer=cfg.model.policy,
                        reference_layers=cfg.model.num_hidden_layers, dtype=cfg.model.dtype,

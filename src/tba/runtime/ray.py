@@ -204,7 +204,9 @@ def init_ray(cfg: Config) -> None:
         return
     _loopback_only()
     need = cfg.trainer.threads + cfg.searcher.num_searchers * cfg.searcher.threads + 1
-    ray.init(num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False, _node_ip_address="127.0.0.1",
+    # address="local": always a private instance, never a cluster some other job left running
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
+             _node_ip_address="127.0.0.1",
              runtime_env=env, logging_level=logging.WARNING, configure_logging=True)
 
 

