@@ -1,0 +1,128 @@
+"""Soak run (issue 6): a long async run with 2 searchers; memory per process must stay flat and the replay
+buffer must never grow past its capacity.
+
+Runs ``tba train`` in a subprocess for ``--minutes``, samples the resident memory (RSS) of every process
+of the run (the driver, each Ray actor and daemon, found through an environment marker they inherit)
+every ``--every`` seconds, then stops the run with SIGINT (checkpoint + clean shutdown) and reports, per
+process: RSS when training started, at the end, and the peak; plus the buffer's size and its largest
+per-prompt group against the configured capacity. A small prompt set and capacity make the buffer reach
+capacity early, so eviction runs for most of the soak.
+
+    python benchmarks/soak.py --minutes 20                       # the issue's 20-minute soak
+    python benchmarks/soak.py --minutes 2 --set model.num_hidden_layers=2   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_processes(marker: str) -> dict[int, str]:
+    """pid -> short name of every process carrying ``TBA_SOAK_MARKER=marker`` in its environment."""
+    out = {}
+    for p in psutil.process_iter(["pid", "name", "cmdline", "environ"]):
+        try:
+            if (p.info["environ"] or {}).get("TBA_SOAK_MARKER") != marker:
+                continue
+            cmd = " ".join(p.info["cmdline"] or [])
+            name = next((n for n in ("TrainerActor", "SearcherActor", "BufferActor", "raylet", "gcs_server",
+                                     "tba.cli") if n in cmd), p.info["name"])
+            out[p.info["pid"]] = "driver" if name == "tba.cli" else name
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
+def main() -> int:
+    """Run the soak and print/write its report; exit 1 if memory grew by more than --max-growth."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=str(ROOT / "configs" / "quickstart.yaml"))
+    ap.add_argument("--minutes", type=float, default=20.0)
+    ap.add_argument("--every", type=float, default=15.0, help="seconds between memory samples")
+    ap.add_argument("--capacity", type=int, default=16, help="buffer.capacity_per_prompt for the soak")
+    ap.add_argument("--prompts", type=int, default=60, help="task.train_size (small: groups fill quickly)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra overrides")
+    ap.add_argument("--max-growth", type=float, default=0.25,
+                    help="fail if any process's RSS at the end exceeds its RSS at training start by this fraction")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak"))
+    args = ap.parse_args()
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    run_dir = out / "run"
+    marker = f"soak-{os.getpid()}-{time.time()}"
+    argv = [sys.executable, "-m", "tba.cli", "train", args.config, "--searcher.num_searchers", "2",
+            "--max-steps", "1000000", "--run.eval_before", "false", "--run.eval_after", "false",
+            "--trainer.save_final", "false", "--run.checkpoint_every", "0", "--run.tensorboard", "false",
+            "--buffer.capacity_per_prompt", str(args.capacity), "--task.train_size", str(args.prompts),
+            "--output-dir", str(run_dir), *args.set]
+    env = {**os.environ, "TBA_SOAK_MARKER": marker, "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=open(out / "stderr.log", "w"))
+    metrics = run_dir / "metrics.jsonl"
+    samples: list[dict] = []  # {"t", "trained": bool, "rss": {name#pid: MiB}}
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < args.minutes * 60:
+            if proc.poll() is not None:
+                raise SystemExit(f"the run exited early with code {proc.returncode}; see {out / 'stderr.log'}")
+            rss = {}
+            for pid, name in run_processes(marker).items():
+                try:
+                    rss[f"{name}#{pid}"] = psutil.Process(pid).memory_info().rss / 2**20
+                except psutil.NoSuchProcess:
+                    pass
+            trained = metrics.is_file() and metrics.stat().st_size > 0
+            samples.append({"t": time.monotonic() - t0, "trained": trained, "rss": rss})
+            time.sleep(args.every)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    started = [s for s in samples if s["trained"]]
+    if not started:
+        raise SystemExit("training never started within the soak")
+    first, last = started[0]["rss"], started[-1]["rss"]
+    rows, worst = [], 0.0
+    for key in sorted(set(first) & set(last)):
+        peak = max(s["rss"].get(key, 0.0) for s in started)
+        growth = last[key] / first[key] - 1
+        worst = max(worst, growth)
+        rows.append(f"| {key.split('#')[0]} (pid {key.split('#')[1]}) | {first[key]:.0f} | {last[key]:.0f} | "
+                    f"{peak:.0f} | {growth:+.1%} |")
+    sizes = [r["buffer/size"] for r in records]
+    largest = max(r.get("buffer/largest_group", 0) for r in records)
+    total_first = sum(first.values())
+    total_last = sum(last.values())
+    report = "\n".join([
+        f"Soak: {args.minutes:g} min, 2 searchers, {len(records)} trainer steps, "
+        f"{int(records[-1]['buffer/samples_added'])} samples generated; memory sampled every {args.every:g} s "
+        f"from the first trainer step ({started[0]['t']:.0f} s) to the end ({started[-1]['t']:.0f} s).",
+        "",
+        "| process | RSS at start (MiB) | RSS at end (MiB) | peak (MiB) | change |",
+        "|---|---|---|---|---|",
+        *rows,
+        f"| all | {total_first:.0f} | {total_last:.0f} | | {total_last / total_first - 1:+.1%} |",
+        "",
+        f"Buffer: {args.prompts} prompts x capacity {args.capacity} = at most {args.prompts * args.capacity} samples; "
+        f"size first/max/last = {sizes[0]:.0f}/{max(sizes):.0f}/{sizes[-1]:.0f}; largest group ever {largest:.0f}.",
+    ])
+    print(report)
+    (out / "soak.md").write_text(report + "\n")
+    ok = worst <= args.max_growth and largest <= args.capacity and max(sizes) <= args.prompts * args.capacity
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
