@@ -46,11 +46,12 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     name: str = Field(
         "reasoning_gym:chain_sum",
-        description="'gsm8k' or 'reasoning_gym:<dataset>' (any reasoning-gym dataset, scored by its own scorer).",
+        description="'gsm8k', 'reasoning_gym:<dataset>' (any reasoning-gym dataset, scored by its own scorer), "
+        "'redteam' (attacker vs a frozen victim LM, toxicity reward) or 'summarize' (TL;DR-style, reward model).",
     )
     source: Optional[str] = Field(
         None,
-        description="gsm8k only: hub dataset id (openai/gsm8k) or a folder/JSONL file with question/answer rows.",
+        description="gsm8k / summarize: hub dataset id (openai/gsm8k, trl-lib/tldr) or a local folder/JSONL file.",
     )
     options: dict[str, Any] = Field(
         default_factory=dict,

@@ -244,6 +244,14 @@ class RayRuntime:
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> "RayRuntime":
         init_ray(self.cfg)
+        try:
+            self._start_actors()
+        except BaseException:
+            self.__exit__()  # a failed start must not leave Ray running
+            raise
+        return self
+
+    def _start_actors(self) -> None:
         c, sync = self.cfg, self.cfg.run.mode == "sync"
         self.cfg_dict = c.model_dump()
         self.buffer = BufferActor.options(num_cpus=0).remote(
@@ -252,7 +260,15 @@ class RayRuntime:
         self.trainer = TrainerActor.options(num_cpus=c.trainer.threads).remote(self.cfg_dict, self.policy_path)
         self.searchers = [self._new_searcher(i) for i in range(c.searcher.num_searchers)]
         self.actors = [self.buffer, self.trainer, *self.searchers]
-        return self
+        # Wait for every actor to be constructed: surfaces model/task errors from the workers now, and
+        # turns a cluster too small to place them into an error instead of a hang.
+        try:
+            ray.get([a.__ray_ready__.remote() for a in self.actors], timeout=c.run.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"actors not started after {c.run.startup_timeout_s:g} s: the cluster needs "
+                f"{c.trainer.threads} CPU(s) for the trainer and {c.searcher.threads} per searcher "
+                f"x {c.searcher.num_searchers}; see `ray status`") from None
 
     def __exit__(self, *exc) -> None:
         try:

@@ -1,0 +1,443 @@
+"""Throughput benchmark (issue 4, parts 2 and 3): how close do tba's searchers and trainer get to the machine?
+
+What it measures, in ONE process run (so the ratios compare numbers taken under the same machine load)
+----------------------------------------------------------------------------------------------------
+a. **Machine peak**: median FLOP/s of an ``N x N @ N x N`` ``torch.matmul`` (default N = 2048) in bf16 and
+   fp32, ``--threads`` torch threads (CPU) or on the GPU. Every "fraction of peak" below divides by the
+   measured bf16 peak.
+b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf.HFEngine.generate``) vs a
+   plain ``model.generate`` call, on the same bf16 model object, the same quickstart task prompts (chat
+   template applied, ~54 tokens), the same batch (``--batch-sizes`` sequences = batch / K prompts x K
+   samples per prompt, K = ``--samples-per-prompt``), ``--max-new-tokens`` and temperature 0.7 (sampling,
+   no top-k/top-p). For fairness every response is forced to the full length: the shared model's
+   ``generation_config.min_new_tokens`` is set to ``max_new_tokens`` (EOS is masked until then); tokens are
+   counted as the real tokens each call returns (up to and including EOS) in both cases, so an engine that
+   ignores ``generation_config`` is still counted correctly (the table then says the lengths were not
+   forced). The two are interleaved (engine, generate, engine, ...) and each reported number is the median
+   over ``--repeats`` timed calls after one warm-up call each. Fraction of peak = 2 x params x tokens/s /
+   bf16 peak (params = all parameters, tied embeddings once; only generated tokens are counted, prefill
+   FLOPs are not).
+c. **Trainer**: ``tba.trainer.Trainer.step`` on a quickstart-sized batch: B = 4 prompts x K = 8 responses,
+   real quickstart prompts (~54 tokens) and ~16-token responses (random token ids, lengths 12-20; the
+   compute does not depend on the content), float32 master weights under bf16 autocast (what
+   ``runtime/build.py`` builds), ``micro_batch_size`` 32. Trained tokens/s counts prompt + response tokens
+   (as ``perf/train_tokens_per_s`` does); MFU = 6 x params x tokens/s / bf16 peak. Median over
+   ``--train-steps`` steps after one warm-up step.
+d. **Weight publication latency**: real Ray (``ray.init(address="local", num_cpus=2, ...)``, loopback, no
+   dashboard). A "trainer" actor holds the float32 policy inside a real ``Trainer`` and publishes the way
+   ``TrainerActor.publish`` does (``Trainer.publish_state_dict(generation dtype)`` then ``ray.put``, the ref
+   wrapped in a list); a "searcher" actor gets the ref and ``load_state_dict(strict=True)`` into its bf16
+   copy (what ``Searcher.load_weights`` does). Latency = driver wall time from the publish call to the
+   searcher's model having loaded the weights (median over ``--publish-repeats``), with the split into
+   publish (copy + put), fetch (``ray.get``) and load. Not included: the buffer actor's hop and the time a
+   searcher spends finishing its current generation batch before it looks for new weights (by design it
+   never waits).
+e. **Peak RSS** (``resource.getrusage``) of this process and of the two Ray actors.
+
+Results: a markdown table (printed, and written to ``--out``, default ``benchmarks/results/throughput.md``)
+with the issue's targets next to the measured ratios, and the raw numbers as JSON next to it (same name,
+``.json``).
+
+Commands (repository root, venv active)
+---------------------------------------
+Smoke test (2-layer model, small matmul; ~2-3 minutes on 2 busy cores; checks the plumbing)::
+
+    python benchmarks/throughput.py --layers 2 --matmul-n 1024 --batch-sizes 8 --max-new-tokens 8 \\
+        --repeats 2 --train-steps 2 --publish-repeats 3 --out /tmp/throughput_smoke.md
+
+Full (the quickstart model; ~10 minutes on 2 CPU cores; on a GPU machine it runs on the GPU)::
+
+    python benchmarks/throughput.py --batch-sizes 8 32 64 --repeats 5 --out benchmarks/results/throughput.md
+
+Caveats: absolute times depend on whatever else runs on the machine; read the ratios (measured side by side
+and interleaved), not the absolute numbers. On a CPU the peak and all throughputs use ``--threads`` threads
+(default: all cores), while a quickstart run gives the searcher and the trainer one thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+#: issue 4 targets, printed next to the measurements
+TARGETS = {"gen_speedup": 3.0, "mfu": 0.30, "publish_s": 1.0}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, repeats: int, device: str) -> tuple[float, list[float]]:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def _rss_mib() -> float:
+    """Peak resident set size of this process, MiB (Linux reports KiB)."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+# -- a. machine peak ---------------------------------------------------------------------------------
+
+def matmul_peak(n: int, dtype: torch.dtype, repeats: int, device: str) -> dict:
+    """Median FLOP/s of an n^3 matmul (2 n^3 FLOPs), after one warm-up."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    torch.matmul(a, b)  # warm-up (allocations, kernel selection)
+    med, times = _median_time(lambda: torch.matmul(a, b), repeats, device)
+    flops = 2 * n**3
+    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "median_s": med, "flops_per_s": flops / med,
+            "all_flops_per_s": [flops / t for t in times]}
+
+
+# -- b. generation -----------------------------------------------------------------------------------
+
+def _real_len(tokens: list[int], eos: set[int]) -> int:
+    return next((t + 1 for t, tok in enumerate(tokens) if tok in eos), len(tokens))
+
+
+def bench_generation(model, tok, prompts: list[list[int]], batch_sizes: list[int], k: int, max_new: int,
+                     temperature: float, repeats: int, device: str, params: int, peak: float) -> list[dict]:
+    """Engine vs plain ``model.generate`` per batch size, interleaved; medians over ``repeats``."""
+    from tba.engines.hf import HFEngine
+
+    engine = HFEngine(model, tok)
+    eos = set(engine.eos_ids)
+    model.generation_config.min_new_tokens = max_new  # forced length, for both (see the module docstring)
+    pad_id = tok.pad_token_id
+    rows = []
+    for bs in batch_sizes:
+        n_prompts = max(1, bs // k)
+        kk = bs if bs < k else k
+        batch_prompts = [prompts[i % len(prompts)] for i in range(n_prompts)]
+        lengths = {"engine": [], "generate": []}
+
+        def run_engine():
+            out = engine.generate(batch_prompts, kk, max_new, temperature)
+            lengths["engine"].append([len(g.response_ids) for group in out for g in group])
+            return sum(len(g.response_ids) for group in out for g in group)
+
+        enc = tok.pad({"input_ids": batch_prompts}, padding=True, return_tensors="pt")  # left padding
+        ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+        @torch.no_grad()
+        def run_generate():
+            seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
+                                  top_k=None, top_p=None, max_new_tokens=max_new, num_return_sequences=kk,
+                                  pad_token_id=pad_id)
+            new = seqs[:, ids.shape[1]:].cpu().tolist()
+            lens = [_real_len(r, eos) for r in new]
+            lengths["generate"].append(lens)
+            return sum(lens)
+
+        run_engine(), run_generate()  # warm-up each
+        samples = {"engine": [], "generate": []}
+        for _ in range(repeats):
+            for name, fn in (("engine", run_engine), ("generate", run_generate)):
+                _sync(device)
+                t0 = time.perf_counter()
+                n_tok = fn()
+                _sync(device)
+                samples[name].append(n_tok / (time.perf_counter() - t0))
+        row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new}
+        for name in ("engine", "generate"):
+            tps = statistics.median(samples[name])
+            row[f"{name}_tokens_per_s"] = tps
+            row[f"{name}_all_tokens_per_s"] = samples[name]
+            row[f"{name}_frac_peak"] = 2 * params * tps / peak
+            row[f"{name}_forced_length"] = all(x == max_new for lens in lengths[name] for x in lens)
+        row["speedup"] = row["engine_tokens_per_s"] / row["generate_tokens_per_s"]
+        rows.append(row)
+        print(f"  generation batch {row['batch']}: engine {row['engine_tokens_per_s']:.1f} tok/s, "
+              f"generate {row['generate_tokens_per_s']:.1f} tok/s, speed-up {row['speedup']:.2f}x", flush=True)
+    model.generation_config.min_new_tokens = None
+    return rows
+
+
+# -- c. trainer --------------------------------------------------------------------------------------
+
+def make_batch(prompts: list[list[int]], b: int, k: int, resp_len: int, vocab: int, eos_id: int, seed: int):
+    """A B x K batch of Samples: real prompts, random ~resp_len-token responses (+-4), random 0/1 rewards."""
+    from tba.types import Batch, Sample
+
+    rng = random.Random(seed)
+    samples = []
+    for i in range(b):
+        for _ in range(k):
+            n = max(1, resp_len + rng.randint(-4, 4))
+            resp = [rng.randrange(1000, min(vocab, 40000)) for _ in range(n - 1)] + [eos_id]
+            samples.append(Sample(i, prompts[i % len(prompts)], resp, float(rng.random() < 0.4),
+                                  [-1.0] * n, [-1.0] * n, 0))
+    return Batch(samples, k)
+
+
+def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int, b: int, k: int, resp_len: int,
+                  device: str, compute_dtype: torch.dtype, peak: float) -> dict:
+    from tba.models import load_causal_lm, load_tokenizer
+    from tba.trainer import Trainer
+
+    tok = load_tokenizer(policy_path)
+    model = load_causal_lm(policy_path, torch.float32, layers).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    t = cfg.trainer
+    trainer = Trainer(model, tok.pad_token_id, temperature=cfg.searcher.temperature, lr=t.lr,
+                      lr_schedule="constant", total_steps=steps + 1, micro_batch_size=t.micro_batch_size,
+                      beta_start=t.beta_start, beta_end=t.beta_end, beta_anneal_steps=t.beta_anneal_steps,
+                      autocast_dtype=compute_dtype if compute_dtype != torch.float32 else None)
+    batch = make_batch(prompts, b, k, resp_len, model.config.vocab_size, tok.eos_token_id, seed=0)
+    n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
+    trainer.step(batch)  # warm-up
+    times, reported = [], []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        m = trainer.step(batch)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        reported.append(m["perf/train_tokens_per_s"])
+    step_s = statistics.median(times)
+    tps = n_tokens / step_s
+    res = {"batch": f"{b}x{k}", "tokens_per_step": n_tokens,
+           "prompt_len_mean": statistics.fmean(len(s.prompt_ids) for s in batch.samples),
+           "response_len_mean": statistics.fmean(len(s.response_ids) for s in batch.samples),
+           "micro_batch_size": t.micro_batch_size, "autocast": str(compute_dtype).replace("torch.", ""),
+           "step_s": step_s, "all_step_s": times, "tokens_per_s": tps,
+           "reported_tokens_per_s_median": statistics.median(reported), "params": params,
+           "mfu": 6 * params * tps / peak}
+    print(f"  trainer: {step_s:.3f} s/step, {tps:.0f} tok/s, MFU {res['mfu']:.3%}", flush=True)
+    del trainer, model
+    return res
+
+
+# -- d. weight publication ---------------------------------------------------------------------------
+
+def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, repeats: int,
+                  num_cpus: int) -> dict:
+    import ray
+
+    from tba.runtime.ray import _loopback_only
+
+    @ray.remote
+    class Publisher:
+        """Stands in for TrainerActor: a real Trainer over float32 master weights."""
+
+        def __init__(self, path, layers):
+            from tba.models import load_causal_lm
+            from tba.trainer import Trainer
+
+            torch.set_num_threads(1)
+            self.trainer = Trainer(load_causal_lm(path, torch.float32, layers), 0)
+
+        def publish(self, dtype):
+            t0 = time.perf_counter()
+            ref = ray.put(self.trainer.publish_state_dict(dtype))
+            return [ref], time.perf_counter() - t0
+
+        def rss_mib(self):
+            return _rss_mib()
+
+    @ray.remote
+    class Loader:
+        """Stands in for SearcherActor: loads the published dict into its own generation-dtype model."""
+
+        def __init__(self, path, layers, dtype):
+            from tba.models import load_causal_lm
+
+            torch.set_num_threads(1)
+            self.model = load_causal_lm(path, dtype, layers)
+
+        def load(self, refs):
+            t0 = time.perf_counter()
+            sd = ray.get(refs[0])
+            t1 = time.perf_counter()
+            self.model.load_state_dict(sd, strict=True)
+            return t1 - t0, time.perf_counter() - t1, sum(v.numel() * v.element_size() for v in sd.values())
+
+        def rss_mib(self):
+            return _rss_mib()
+
+    _loopback_only()
+    t_init = time.perf_counter()
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level=logging.WARNING,
+             runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}})
+    init_s = time.perf_counter() - t_init
+    try:
+        pub = Publisher.options(num_cpus=1).remote(policy_path, layers)
+        loader = Loader.options(num_cpus=1).remote(policy_path, layers, gen_dtype)
+        ray.get([pub.rss_mib.remote(), loader.rss_mib.remote()])  # both constructed
+        totals, puts, gets, loads = [], [], [], []
+        nbytes = 0
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            refs, put_s = ray.get(pub.publish.remote(gen_dtype))
+            get_s, load_s, nbytes = ray.get(loader.load.remote(refs))
+            total = time.perf_counter() - t0
+            del refs
+            if i == 0:
+                continue  # warm-up
+            totals.append(total), puts.append(put_s), gets.append(get_s), loads.append(load_s)
+        res = {"ray_init_s": init_s, "bytes": nbytes, "dtype": str(gen_dtype).replace("torch.", ""),
+               "median_s": statistics.median(totals), "all_s": totals,
+               "publish_median_s": statistics.median(puts), "fetch_median_s": statistics.median(gets),
+               "load_median_s": statistics.median(loads),
+               "trainer_actor_rss_mib": ray.get(pub.rss_mib.remote()),
+               "searcher_actor_rss_mib": ray.get(loader.rss_mib.remote())}
+    finally:
+        ray.shutdown()
+    print(f"  publish: {res['median_s']:.3f} s ({res['bytes'] / 2**20:.0f} MiB)", flush=True)
+    return res
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+def format_report(r: dict) -> str:
+    m = r["meta"]
+    lines = [f"# Throughput ({m['time']})", "",
+             f"Model `{m['model']}`{' cut to ' + str(m['layers']) + ' layers' if m['layers'] else ''}: "
+             f"{m['params'] / 1e6:.1f}M params; device {m['device']}, {m['threads']} torch threads; "
+             f"torch {m['torch']}, transformers {m['transformers']}. Medians over repeats, measured in one run.",
+             "", "| quantity | measured | target (issue 4) |", "|---|---|---|"]
+    pk = r["peak"]
+    lines.append(f"| matmul peak bf16 ({pk['bf16']['n']}^3) | {_si(pk['bf16']['flops_per_s'], 'FLOP/s')} | |")
+    lines.append(f"| matmul peak fp32 ({pk['fp32']['n']}^3) | {_si(pk['fp32']['flops_per_s'], 'FLOP/s')} | |")
+    for g in r["generation"]:
+        forced = "" if g["engine_forced_length"] and g["generate_forced_length"] else " (lengths not forced)"
+        lines.append(f"| generation batch {g['batch']} ({g['prompts']}x{g['samples_per_prompt']}, "
+                     f"{g['max_new_tokens']} new tokens): engine / `model.generate` tok/s{forced} | "
+                     f"{g['engine_tokens_per_s']:.1f} / {g['generate_tokens_per_s']:.1f} | |")
+        lines.append(f"| **engine speed-up over `model.generate`, batch {g['batch']}** | **{g['speedup']:.2f}x** | "
+                     f"{'>= 3x (batch 32+)' if g['batch'] >= 32 else ''} |")
+        lines.append(f"| generation fraction of bf16 peak, batch {g['batch']}: engine / generate | "
+                     f"{g['engine_frac_peak']:.2%} / {g['generate_frac_peak']:.2%} | |")
+    t = r.get("trainer")
+    if t:
+        lines.append(f"| trainer step ({t['batch']}, {t['tokens_per_step']} tokens: prompts ~{t['prompt_len_mean']:.0f} "
+                     f"+ responses ~{t['response_len_mean']:.0f}, {t['autocast']} autocast) | {t['step_s']:.3f} s | |")
+        lines.append(f"| trainer tokens/s | {t['tokens_per_s']:.0f} | |")
+        lines.append(f"| **trainer MFU** (6 x params x tok/s / bf16 peak) | **{t['mfu']:.1%}** | >= 30% |")
+    p = r.get("publish")
+    if p:
+        lines.append(f"| **weight publication latency** (trainer publish -> searcher loaded, {p['bytes'] / 2**20:.0f} MiB "
+                     f"{p['dtype']}) | **{p['median_s']:.3f} s** | < 1 s |")
+        lines.append(f"| of which publish (copy + put) / fetch / load_state_dict | {p['publish_median_s']:.3f} / "
+                     f"{p['fetch_median_s']:.3f} / {p['load_median_s']:.3f} s | |")
+    lines.append(f"| peak RSS: this process{' / trainer actor / searcher actor' if p else ''} | "
+                 f"{r['rss_mib']:.0f}{' / %.0f / %.0f' % (p['trainer_actor_rss_mib'], p['searcher_actor_rss_mib']) if p else ''} MiB | "
+                 "< 8 GiB in all |")
+    lines += ["", "Command: `" + m["command"] + "`", ""]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="See the module docstring (and benchmarks/README.md) for commands.")
+    p.add_argument("--config", default="configs/quickstart.yaml", help="model, task and trainer settings")
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smoke runs)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (CPU); default all cores")
+    p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if available)")
+    p.add_argument("--matmul-n", type=int, default=2048, help="matmul size for the peak")
+    p.add_argument("--matmul-repeats", type=int, default=7)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="generation batches (sequences)")
+    p.add_argument("--samples-per-prompt", type=int, default=8, help="K responses per prompt in a generation batch")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the config's searcher.max_new_tokens")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per generation setting")
+    p.add_argument("--train-steps", type=int, default=4, help="timed trainer steps")
+    p.add_argument("--train-response-len", type=int, default=16)
+    p.add_argument("--publish-repeats", type=int, default=5)
+    p.add_argument("--skip", nargs="*", default=[], choices=["generation", "trainer", "publish"])
+    p.add_argument("--out", default="benchmarks/results/throughput.md", help="markdown report (JSON next to it)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import transformers
+
+    from tba.config import load_config
+    from tba.models import load_causal_lm, load_tokenizer, pick_dtype, prepare_model
+    from tba.runtime.build import quiet_libraries, task_from_config
+
+    quiet_libraries()
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = load_config(args.config, {"model.num_hidden_layers": args.layers} if args.layers else {})
+    max_new = args.max_new_tokens or cfg.searcher.max_new_tokens
+    gen_dtype = pick_dtype(cfg.model.dtype)
+
+    print(f"throughput benchmark: device {device}, {args.threads} threads", flush=True)
+    res: dict = {}
+    print("a. matmul peak", flush=True)
+    res["peak"] = {"bf16": matmul_peak(args.matmul_n, torch.bfloat16, args.matmul_repeats, device),
+                   "fp32": matmul_peak(args.matmul_n, torch.float32, args.matmul_repeats, device)}
+    peak = res["peak"]["bf16"]["flops_per_s"]
+    print(f"  bf16 {_si(peak, 'FLOP/s')}, fp32 {_si(res['peak']['fp32']['flops_per_s'], 'FLOP/s')}", flush=True)
+
+    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
+    tok = load_tokenizer(policy_path)
+    task = task_from_config(cfg)
+    prompts = [task.encode(tok, p) for p in task.train[:64]]
+    model = load_causal_lm(policy_path, gen_dtype, args.layers).to(device)
+    params = sum(p.numel() for p in model.parameters())
+
+    if "generation" not in args.skip:
+        print(f"b. generation ({gen_dtype}, {max_new} new tokens, temperature {cfg.searcher.temperature})", flush=True)
+        res["generation"] = bench_generation(model, tok, prompts, args.batch_sizes, args.samples_per_prompt, max_new,
+                                             cfg.searcher.temperature, args.repeats, device, params, peak)
+    else:
+        res["generation"] = []
+    del model
+    if "trainer" not in args.skip:
+        print("c. trainer", flush=True)
+        res["trainer"] = bench_trainer(policy_path, args.layers, prompts, cfg, args.train_steps,
+                                       cfg.trainer.prompts_per_step, cfg.trainer.group_size,
+                                       args.train_response_len, device, gen_dtype, peak)
+    if "publish" not in args.skip:
+        print("d. weight publication (Ray)", flush=True)
+        res["publish"] = bench_publish(policy_path, args.layers, gen_dtype, args.publish_repeats, num_cpus=2)
+    res["rss_mib"] = _rss_mib()
+    res["meta"] = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "model": cfg.model.policy, "layers": args.layers,
+                   "params": params, "device": device if device != "cpu" else
+                   f"cpu ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)",
+                   "threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__,
+                   "gen_dtype": str(gen_dtype), "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])])}
+    report = format_report(res)
+    print("\n" + report, flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str))
+    print(f"wrote {out} and {out.with_suffix('.json')}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
