@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import torch
 
 from tba.logger import read_metrics

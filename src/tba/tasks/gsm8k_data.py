@@ -9,7 +9,6 @@ the worked solution whose last line is ``#### <final answer>``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -17,19 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from tba.rewards.math import normalize_number
+from tba.tasks.jsonl import DataError, jsonl_rows
 
 __all__ = ["DataError", "load_gsm8k"]
 
 logger = logging.getLogger(__name__)
 
 _MAX_REPORTED = 5  # bad rows quoted in the skip warning
-
-
-class DataError(ValueError):
-    """A malformed GSM8K row; message starts ``<file>:<line>:`` (hub: ``<id>[split]:row N``).
-
-    Subclasses ValueError, so ``except ValueError`` also catches it.
-    """
 
 
 def _looks_like_path(source: str) -> bool:
@@ -70,24 +63,6 @@ def _check_row(row: Any) -> tuple[str, str]:
             raise ValueError("empty final answer after '####' in field 'answer'")
         raise ValueError("field 'answer' has no '#### <final answer>' line")
     return question, final
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """Yield ``(location, row_or_exception)`` for each non-blank line of a JSONL file."""
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield where, ValueError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield where, ValueError(f"invalid JSON ({exc.msg} at column {exc.colno})")
 
 
 def _hub_rows(source: str, split: str) -> Iterator[tuple[str, Any]]:
@@ -183,5 +158,5 @@ def load_gsm8k(
         raise ValueError(f"limit must be None or a non-negative int, got {limit!r}")
     if _looks_like_path(source):
         path = _resolve_local(source, split)
-        return _collect(_jsonl_rows(path), limit, skip_bad_rows, str(path))
+        return _collect(jsonl_rows(path), limit, skip_bad_rows, str(path))
     return _collect(_hub_rows(source, split), limit, skip_bad_rows, f"{source}[{split}]")

@@ -51,15 +51,14 @@ num_examples          example summaries reported by evaluate (default 3).
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tba.rewards.preference import RewardModelScorer, apply_missing_eos_penalty, build_scorer, win_rate
 from tba.tasks.base import Problem, Task
-from tba.tasks.gsm8k_data import DataError
+from tba.tasks.jsonl import DataError, jsonl_rows
 from tba.tasks.options import task_options
 
 SAMPLE = "sample"
@@ -91,23 +90,6 @@ def _check_row(row: Any) -> tuple[str, str]:
         if not row[key].strip():
             raise ValueError(f"empty {key!r}")
     return row["prompt"], row[ref_key].strip()
-
-
-def _jsonl(path: Path) -> Iterator[tuple[str, Any]]:
-    """``(file:line, row or ValueError)`` for each non-blank line."""
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                yield where, ValueError(f"not valid UTF-8 ({e.reason} at byte {e.start})")
-                continue
-            if line.strip():
-                try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield where, ValueError(f"invalid JSON ({e.msg} at column {e.colno})")
 
 
 def _collect(rows) -> list[tuple[str, str]]:
@@ -161,8 +143,8 @@ def load_tldr(source: str | None, train_size: int, eval_size: int, eval_split: s
         eval_file = next((path / f"{s}.jsonl" for s in (eval_split, "test") if (path / f"{s}.jsonl").is_file()), None)
         if not train_file.is_file() or eval_file is None:
             raise FileNotFoundError(f"{path} needs train.jsonl and {eval_split}.jsonl (or test.jsonl)")
-        return _collect(_jsonl(train_file))[:train_size], _collect(_jsonl(eval_file))[:eval_size]
-    rows = _collect(_jsonl(path))
+        return _collect(jsonl_rows(train_file))[:train_size], _collect(jsonl_rows(eval_file))[:eval_size]
+    rows = _collect(jsonl_rows(path))
     if len(rows) <= eval_size:
         raise ValueError(f"{path} has {len(rows)} rows; it needs more than task.eval_size={eval_size} "
                          "(the last eval_size rows are held out for eval)")
