@@ -3,8 +3,10 @@
 What it measures, in ONE process run (so the ratios compare numbers taken under the same machine load)
 ----------------------------------------------------------------------------------------------------
 a. **Machine peak**: median FLOP/s of an ``N x N @ N x N`` ``torch.matmul`` (default N = 2048) in bf16 and
-   fp32, ``--threads`` torch threads (CPU) or on the GPU. Every "fraction of peak" below divides by the
-   measured bf16 peak.
+   fp32, ``--threads`` torch threads (CPU) or on the GPU. The bf16 matmul is also timed between the timed
+   calls of b and c, and every "fraction of peak" / MFU divides by the median of the peak samples taken in
+   its own section (on a shared machine the load changes during a run; this keeps both sides of the ratio
+   under the same load). The headline peak is the median of all bf16 samples.
 b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf.HFEngine.generate``) vs a
    plain ``model.generate`` call, on the same bf16 model object, the same quickstart task prompts (chat
    template applied, ~54 tokens), the same batch (``--batch-sizes`` sequences = batch / K prompts x K
@@ -99,13 +101,36 @@ def _rss_mib() -> float:
 
 def matmul_peak(n: int, dtype: torch.dtype, repeats: int, device: str) -> dict:
     """Median FLOP/s of an n^3 matmul (2 n^3 FLOPs), after one warm-up."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    torch.matmul(a, b)  # warm-up (allocations, kernel selection)
-    med, times = _median_time(lambda: torch.matmul(a, b), repeats, device)
-    flops = 2 * n**3
-    return {"n": n, "dtype": str(dtype).replace("torch.", ""), "median_s": med, "flops_per_s": flops / med,
-            "all_flops_per_s": [flops / t for t in times]}
+    sampler = PeakSampler(n, dtype, device)
+    for _ in range(repeats):
+        sampler.sample(1)
+    return sampler.summary()
+
+
+class PeakSampler:
+    """Times an n^3 matmul on demand, so the peak can be sampled between the timed calls of a section (the
+    machine's load changes over a run; a fraction of peak then compares numbers taken at the same time)."""
+
+    def __init__(self, n: int, dtype: torch.dtype, device: str):
+        self.n, self.dtype, self.device = n, dtype, device
+        self.a = torch.randn(n, n, device=device).to(dtype)
+        self.b = torch.randn(n, n, device=device).to(dtype)
+        torch.matmul(self.a, self.b)  # warm-up (allocations, kernel selection)
+        self.samples: list[float] = []
+
+    def sample(self, reps: int = 3) -> float:
+        """Median FLOP/s over ``reps`` matmuls; recorded."""
+        med, _ = _median_time(lambda: torch.matmul(self.a, self.b), reps, self.device)
+        self.samples.append(2 * self.n**3 / med)
+        return self.samples[-1]
+
+    def since(self, start: int) -> float:
+        """Median of the samples taken since index ``start``."""
+        return statistics.median(self.samples[start:])
+
+    def summary(self) -> dict:
+        return {"n": self.n, "dtype": str(self.dtype).replace("torch.", ""),
+                "flops_per_s": statistics.median(self.samples), "all_flops_per_s": list(self.samples)}
 
 
 # -- b. generation -----------------------------------------------------------------------------------
@@ -115,8 +140,9 @@ def _real_len(tokens: list[int], eos: set[int]) -> int:
 
 
 def bench_generation(model, tok, prompts: list[list[int]], batch_sizes: list[int], k: int, max_new: int,
-                     temperature: float, repeats: int, device: str, params: int, peak: float) -> list[dict]:
-    """Engine vs plain ``model.generate`` per batch size, interleaved; medians over ``repeats``."""
+                     temperature: float, repeats: int, device: str, params: int, peak: PeakSampler) -> list[dict]:
+    """Engine vs plain ``model.generate`` per batch size, interleaved with bf16 peak samples; medians over
+    ``repeats``."""
     from tba.engines.hf import HFEngine
 
     engine = HFEngine(model, tok)
@@ -150,19 +176,22 @@ def bench_generation(model, tok, prompts: list[list[int]], batch_sizes: list[int
 
         run_engine(), run_generate()  # warm-up each
         samples = {"engine": [], "generate": []}
+        first_peak = len(peak.samples)
         for _ in range(repeats):
+            peak.sample()
             for name, fn in (("engine", run_engine), ("generate", run_generate)):
                 _sync(device)
                 t0 = time.perf_counter()
                 n_tok = fn()
                 _sync(device)
                 samples[name].append(n_tok / (time.perf_counter() - t0))
-        row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new}
+        row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new,
+               "peak_flops_per_s": peak.since(first_peak)}
         for name in ("engine", "generate"):
             tps = statistics.median(samples[name])
             row[f"{name}_tokens_per_s"] = tps
             row[f"{name}_all_tokens_per_s"] = samples[name]
-            row[f"{name}_frac_peak"] = 2 * params * tps / peak
+            row[f"{name}_frac_peak"] = 2 * params * tps / row["peak_flops_per_s"]
             row[f"{name}_forced_length"] = all(x == max_new for lens in lengths[name] for x in lens)
         row["speedup"] = row["engine_tokens_per_s"] / row["generate_tokens_per_s"]
         rows.append(row)
@@ -190,7 +219,7 @@ def make_batch(prompts: list[list[int]], b: int, k: int, resp_len: int, vocab: i
 
 
 def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int, b: int, k: int, resp_len: int,
-                  device: str, compute_dtype: torch.dtype, peak: float) -> dict:
+                  device: str, compute_dtype: torch.dtype, peak: PeakSampler) -> dict:
     from tba.models import load_causal_lm, load_tokenizer
     from tba.trainer import Trainer
 
@@ -206,7 +235,9 @@ def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int
     n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
     trainer.step(batch)  # warm-up
     times, reported = [], []
+    first_peak = len(peak.samples)
     for _ in range(steps):
+        peak.sample()
         _sync(device)
         t0 = time.perf_counter()
         m = trainer.step(batch)
@@ -221,7 +252,8 @@ def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int
            "micro_batch_size": t.micro_batch_size, "autocast": str(compute_dtype).replace("torch.", ""),
            "step_s": step_s, "all_step_s": times, "tokens_per_s": tps,
            "reported_tokens_per_s_median": statistics.median(reported), "params": params,
-           "mfu": 6 * params * tps / peak}
+           "peak_flops_per_s": peak.since(first_peak)}
+    res["mfu"] = 6 * params * tps / res["peak_flops_per_s"]
     print(f"  trainer: {step_s:.3f} s/step, {tps:.0f} tok/s, MFU {res['mfu']:.3%}", flush=True)
     del trainer, model
     return res
@@ -241,8 +273,10 @@ def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, 
 
         def __init__(self, path, layers):
             from tba.models import load_causal_lm
+            from tba.runtime.build import quiet_libraries
             from tba.trainer import Trainer
 
+            quiet_libraries()
             torch.set_num_threads(1)
             self.trainer = Trainer(load_causal_lm(path, torch.float32, layers), 0)
 
@@ -260,7 +294,9 @@ def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, 
 
         def __init__(self, path, layers, dtype):
             from tba.models import load_causal_lm
+            from tba.runtime.build import quiet_libraries
 
+            quiet_libraries()
             torch.set_num_threads(1)
             self.model = load_causal_lm(path, dtype, layers)
 
@@ -324,7 +360,9 @@ def format_report(r: dict) -> str:
              f"torch {m['torch']}, transformers {m['transformers']}. Medians over repeats, measured in one run.",
              "", "| quantity | measured | target (issue 4) |", "|---|---|---|"]
     pk = r["peak"]
-    lines.append(f"| matmul peak bf16 ({pk['bf16']['n']}^3) | {_si(pk['bf16']['flops_per_s'], 'FLOP/s')} | |")
+    lines.append(f"| matmul peak bf16 ({pk['bf16']['n']}^3; median of {len(pk['bf16']['all_flops_per_s'])} samples "
+                 f"taken through the run, min-max {_si(min(pk['bf16']['all_flops_per_s']), '')}-"
+                 f"{_si(max(pk['bf16']['all_flops_per_s']), '')}) | {_si(pk['bf16']['flops_per_s'], 'FLOP/s')} | |")
     lines.append(f"| matmul peak fp32 ({pk['fp32']['n']}^3) | {_si(pk['fp32']['flops_per_s'], 'FLOP/s')} | |")
     for g in r["generation"]:
         forced = "" if g["engine_forced_length"] and g["generate_forced_length"] else " (lengths not forced)"
@@ -333,14 +371,16 @@ def format_report(r: dict) -> str:
                      f"{g['engine_tokens_per_s']:.1f} / {g['generate_tokens_per_s']:.1f} | |")
         lines.append(f"| **engine speed-up over `model.generate`, batch {g['batch']}** | **{g['speedup']:.2f}x** | "
                      f"{'>= 3x (batch 32+)' if g['batch'] >= 32 else ''} |")
-        lines.append(f"| generation fraction of bf16 peak, batch {g['batch']}: engine / generate | "
+        lines.append(f"| generation fraction of bf16 peak, batch {g['batch']}: engine / generate (peak sampled "
+                     f"between the calls: {_si(g['peak_flops_per_s'], 'FLOP/s')}) | "
                      f"{g['engine_frac_peak']:.2%} / {g['generate_frac_peak']:.2%} | |")
     t = r.get("trainer")
     if t:
         lines.append(f"| trainer step ({t['batch']}, {t['tokens_per_step']} tokens: prompts ~{t['prompt_len_mean']:.0f} "
                      f"+ responses ~{t['response_len_mean']:.0f}, {t['autocast']} autocast) | {t['step_s']:.3f} s | |")
         lines.append(f"| trainer tokens/s | {t['tokens_per_s']:.0f} | |")
-        lines.append(f"| **trainer MFU** (6 x params x tok/s / bf16 peak) | **{t['mfu']:.1%}** | >= 30% |")
+        lines.append(f"| **trainer MFU** (6 x params x tok/s / bf16 peak sampled between the steps: "
+                     f"{_si(t['peak_flops_per_s'], 'FLOP/s')}) | **{t['mfu']:.1%}** | >= 30% |")
     p = r.get("publish")
     if p:
         lines.append(f"| **weight publication latency** (trainer publish -> searcher loaded, {p['bytes'] / 2**20:.0f} MiB "
@@ -396,10 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"throughput benchmark: device {device}, {args.threads} threads", flush=True)
     res: dict = {}
     print("a. matmul peak", flush=True)
-    res["peak"] = {"bf16": matmul_peak(args.matmul_n, torch.bfloat16, args.matmul_repeats, device),
-                   "fp32": matmul_peak(args.matmul_n, torch.float32, args.matmul_repeats, device)}
-    peak = res["peak"]["bf16"]["flops_per_s"]
-    print(f"  bf16 {_si(peak, 'FLOP/s')}, fp32 {_si(res['peak']['fp32']['flops_per_s'], 'FLOP/s')}", flush=True)
+    peak = PeakSampler(args.matmul_n, torch.bfloat16, device)
+    for _ in range(args.matmul_repeats):
+        peak.sample(1)
+    fp32 = matmul_peak(args.matmul_n, torch.float32, args.matmul_repeats, device)
+    print(f"  bf16 {_si(peak.since(0), 'FLOP/s')}, fp32 {_si(fp32['flops_per_s'], 'FLOP/s')}", flush=True)
 
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     tok = load_tokenizer(policy_path)
@@ -423,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     if "publish" not in args.skip:
         print("d. weight publication (Ray)", flush=True)
         res["publish"] = bench_publish(policy_path, args.layers, gen_dtype, args.publish_repeats, num_cpus=2)
+    res["peak"] = {"bf16": peak.summary(), "fp32": fp32}
     res["rss_mib"] = _rss_mib()
     res["meta"] = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "model": cfg.model.policy, "layers": args.layers,
                    "params": params, "device": device if device != "cpu" else

@@ -60,7 +60,8 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, dict, str | None]:
     return config, overrides, resume
 
 
-def _progress_bar(total: int):
+def _progress_bar(total: int, loss_key: str):
+    """tqdm bar over trainer steps showing reward, loss, samples/s and staleness; returns its update fn."""
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
@@ -68,17 +69,12 @@ def _progress_bar(total: int):
 
     def update(step: int, m: dict) -> None:
         bar.n = step
-        bar.set_postfix(reward=f"{m.get('train/reward_mean', 0):.3f}", loss=f"{m.get(_loss_key(m), 0):.3g}",
+        bar.set_postfix(reward=f"{m.get('train/reward_mean', 0):.3f}", loss=f"{m.get(loss_key, 0):.3g}",
                         samples_s=f"{m.get('buffer/samples_added', 0) / max(time.monotonic() - t0, 1e-9):.1f}",
                         stale=f"{m.get('buffer/staleness_mean', 0):.1f}", refresh=True)
 
     update.close = bar.close
     return update
-
-
-def _loss_key(m: dict) -> str:
-    return next((k for k in m if k.startswith("loss/") and k.count("/") == 1 and k.split("/")[1] in
-                 ("tb", "rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo")), "loss/tb")
 
 
 def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True) -> dict:
@@ -123,7 +119,7 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
                 summary["eval_before"] = _numbers(rt.evaluate())
                 rt.state.extra["eval_before"] = summary["eval_before"]
                 print(f"eval before training: {_fmt_metrics(summary['eval_before'])}", flush=True)
-            bar = _progress_bar(cfg.trainer.max_steps) if show_progress else None
+            bar = _progress_bar(cfg.trainer.max_steps, f"loss/{cfg.loss.name}") if show_progress else None
             t_train = time.monotonic()
             state = rt.train(bar)
             train_s = time.monotonic() - t_train
@@ -151,7 +147,9 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
         "wall_s": time.monotonic() - t_start,
     })
     if (run_dir / "metrics.jsonl").stat().st_size:
-        summary["learning_curve"] = str(plot_learning_curve(run_dir / "metrics.jsonl", run_dir / "learning_curve.png"))
+        summary["learning_curve"] = str(plot_learning_curve(
+            run_dir / "metrics.jsonl", run_dir / "learning_curve.png",
+            ("searcher/reward_mean", "train/reward_mean", f"loss/{cfg.loss.name}", "buffer/staleness_mean")))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -62,7 +62,7 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def plot_learning_curve(metrics_path: Path, out_png: Path,
-                        keys: tuple[str, ...] = ("searcher/reward_mean", "train/reward_mean", "loss/tb", "buffer/staleness_mean")) -> Path:
+                        keys: tuple[str, ...] = ("train/reward_mean",)) -> Path:
     """Plot each key against trainer step (one panel per key, present keys only) to ``out_png``."""
     import matplotlib
 

@@ -185,6 +185,7 @@ def token_logprobs(
     out = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, logits_to_keep=r_len + 1)
     logits = out.logits[:, :-1, :].float() / temperature  # [N, R, V]
     targets = ids[:, -r_len:]  # [N, R]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)  # [N, R]
+    # gather - logsumexp instead of log_softmax: no second [N, R, V] tensor is kept for backward
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # [N, R]
     mask = resp_mask.to(logp.device)
     return logp * mask, mask

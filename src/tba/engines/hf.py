@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import LogitsProcessor
 
 
 @dataclass
@@ -20,6 +21,33 @@ class Generation:
     response_ids: list[int]
     logprobs: list[float]
     finished: bool
+
+
+class _TemperedLogprobs(LogitsProcessor):
+    """Logits processor that applies the sampling temperature and records the behaviour log-probs.
+
+    ``generate`` calls it once per new token, before sampling, so the token chosen at step t is only
+    visible (as the last input id) at step t+1: the log-softmax of each step is kept until then. Only one
+    step of [B, vocab] is held at a time, instead of the [B, R, vocab] that ``output_logits`` keeps.
+    """
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.prev: torch.Tensor | None = None  # [B, V] log-probs of the step whose token is not yet known
+        self.logps: list[torch.Tensor] = []  # R x [B]
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float() / self.temperature
+        if self.prev is not None:
+            self.logps.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
+        self.prev = torch.log_softmax(scores, dim=-1)
+        return scores
+
+    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """Per-token log-probs [B, R] of the generated tokens ``new_tokens`` [B, R]."""
+        if self.prev is not None and len(self.logps) < new_tokens.shape[1]:
+            self.logps.append(self.prev.gather(-1, new_tokens[:, -1:].to(self.prev.device)).squeeze(-1))
+        return torch.stack(self.logps, dim=1).cpu()
 
 
 class HFEngine:
@@ -64,28 +92,24 @@ class HFEngine:
             ids[i, width - len(p) :] = torch.tensor(p)
             attn[i, width - len(p) :] = 1
         device = self.model.device
+        recorder = _TemperedLogprobs(temperature)
+        # temperature=1.0 and no top-k/top-p: the recorder is the only processor, so the tokens are sampled
+        # from exactly the distribution whose log-probs it records
         out = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=attn.to(device),
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
-            temperature=None if greedy else temperature,
+            temperature=1.0,
             top_p=None,
             top_k=None,
             num_return_sequences=num_samples,
             pad_token_id=pad_id,
+            logits_processor=[recorder],
             return_dict_in_generate=True,
-            output_logits=True,
         )
         new = out.sequences[:, width:].cpu()  # [B*S, R]
-        # one step at a time: stacking [B*S, R, V] logits would cost hundreds of MB
-        logp = torch.stack(
-            [
-                torch.log_softmax(step.float().cpu() / temperature, dim=-1).gather(-1, new[:, t : t + 1]).squeeze(-1)
-                for t, step in enumerate(out.logits)
-            ],
-            dim=1,
-        )  # [B*S, R]
+        logp = recorder.finish(new)  # [B*S, R]
         results: list[list[Generation]] = [[] for _ in prompts]
         for row in range(new.shape[0]):
             tokens = new[row].tolist()

@@ -1,0 +1,669 @@
+"""Time to target (issue 4, part 1): wall-clock seconds until greedy eval accuracy first reaches a target.
+
+Methods, on the same model, task, prompts and hyperparameters (everything comes from one tba config plus
+``--set`` overrides):
+
+- ``async``: tba asynchronous TBA (``run.mode=async``), through ``tba.runtime.ray.RayRuntime``;
+- ``sync``: tba synchronous on-policy mode (``run.mode=sync``), the same runtime;
+- ``trl``: TRL's ``GRPOTrainer`` (pip extra ``bench``; CPU, no vLLM), with B = ``trainer.prompts_per_step``
+  prompts x K = ``trainer.group_size`` generations per optimizer step (``per_device_train_batch_size`` B*K,
+  ``num_generations`` K, no gradient accumulation), ``max_completion_length`` = ``searcher.max_new_tokens``,
+  ``temperature`` = ``searcher.temperature`` (no top-k/top-p), the same AdamW (lr ``trainer.lr``, weight
+  decay, grad clip) and the same learning-rate schedule object as tba's trainer
+  (``tba.trainer.build_scheduler`` over the same ``trainer.max_steps``), the task's own reward
+  (``task.reward``, so correctness is scored identically), the same training prompts (the task's train
+  split, chat template applied by TRL from the same messages), float32 master weights under bf16 autocast
+  where tba uses bf16, and gradient checkpointing OFF (TRL's default is on; tba's trainer does not
+  checkpoint; ``--trl-gradient-checkpointing`` turns it on). TRL's own defaults are kept for what has no tba
+  counterpart: ``beta`` (KL coefficient, 0.0: no reference model) and ``loss_type`` (``dapo``);
+  ``--trl-beta`` / ``--trl-loss-type`` change them.
+
+How time and accuracy are measured (identically for the three)
+--------------------------------------------------------------
+- Every method runs in its own subprocess (clean memory, its own peak RSS). Model loading, Ray start-up and
+  actor construction happen before the clock starts (reported as ``setup_s``); the clock starts right
+  before training starts (tba: ``start_searchers`` then ``train``, so the async buffer fill counts; TRL:
+  ``on_train_begin``, so its first generation counts).
+- At the end of the first trainer step after every ``--eval-every-s`` seconds of training clock (and/or
+  every ``--eval-every-steps`` steps), the clock is PAUSED, the current policy (tba: the trainer's published
+  weights in the generation dtype; TRL: the trained model's weights cast to it) is loaded into one bf16 eval
+  model in the benchmark process, and greedy accuracy is measured with tba's own evaluation
+  (``task.evaluate`` through ``HFEngine``; same problems, batch size, max new tokens and threads for all
+  methods). During the eval in async mode the searcher processes are suspended (SIGSTOP / SIGCONT to this
+  run's own ``ray::SearcherActor`` processes), so no method trains or generates while the clock is paused.
+- A method stops when its accuracy reaches the target (``--target``, default base accuracy +
+  ``--target-delta`` 0.10; the base accuracy is measured once, before the methods, by the same evaluation),
+  after ``--budget-s`` seconds of training clock, or at ``trainer.max_steps``; the last state is always
+  evaluated. Time to target = training clock at the first eval whose accuracy >= target; its resolution is
+  the eval interval plus one step.
+
+Output (``--out``, default ``benchmarks/results/time_to_target``): ``results.json`` (every eval point of
+every run), ``table.md`` (printed too: time / steps / samples to target per method, ratios TRL/async and
+sync/async) and ``accuracy_vs_time.png`` (accuracy vs training clock, all methods, target and base dashed).
+
+Commands (repository root, venv active; TRL: ``pip install torch==2.13.0 trl`` or ``pip install -e ".[bench]"``
+after torch is installed)
+-----------------------------------------------------------------------------------------------------
+Smoke test (2-layer model, ~5 minutes on 2 busy cores; the target is the base accuracy so the
+"reached" path runs; the numbers mean nothing)::
+
+    python benchmarks/time_to_target.py --layers 2 --eval-size 16 --budget-s 40 --eval-every-s 15 \\
+        --target-delta 0 --no-stop-at-target --set task.train_size=64 --set searcher.max_new_tokens=8 \\
+        --set buffer.min_fill=16 --out /tmp/ttt_smoke
+
+Full (quickstart model and recipe, 60 steps, 200 eval problems every 60 s; ~1.5-2 h on 2 CPU cores)::
+
+    python benchmarks/time_to_target.py --budget-s 1800 --eval-every-s 60 --out benchmarks/results/time_to_target
+
+On a GPU machine the same command with a bigger budget (e.g. ``--set trainer.max_steps=500
+--set trainer.beta_anneal_steps=500 --budget-s 3600 --repeats 3``); tba places its models where tba does,
+TRL uses the GPU if there is one, and the eval model goes to ``--device`` (default: cuda if available).
+
+Caveats: wall times on a shared machine depend on whatever else runs there; ``--repeats`` runs the methods
+interleaved (async, sync, trl, async, ...) and reports medians. A 200-problem eval has a standard error of
+about 0.03, so with a target of base + 0.10 a run can "reach" it early by noise; a run that reaches it
+first is not necessarily better by more than a couple of eval intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METHODS = ("async", "sync", "trl")
+LABELS = {"async": "tba async (TBA)", "sync": "tba sync (on-policy)", "trl": "TRL GRPOTrainer"}
+COLORS = {"async": "tab:blue", "sync": "tab:orange", "trl": "tab:green"}
+#: applied before the user's --set overrides (which win); the benchmark evaluates itself
+BENCH_DEFAULTS = {"trainer.save_final": False, "run.checkpoint_every": 0, "run.eval_before": False,
+                  "run.eval_after": False, "run.tensorboard": False}
+
+
+class StopRun(Exception):
+    """Raised from the progress callback to end a tba run (target reached or budget spent)."""
+
+
+class Clock:
+    """Training clock: wall time since start, minus paused intervals."""
+
+    def __init__(self):
+        self.t0 = None
+        self.paused_at = None
+        self.paused_total = 0.0
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def pause(self) -> None:
+        self.paused_at = time.perf_counter()
+
+    def resume(self) -> None:
+        self.paused_total += time.perf_counter() - self.paused_at
+        self.paused_at = None
+
+    def elapsed(self) -> float:
+        if self.t0 is None:
+            return 0.0
+        now = self.paused_at if self.paused_at is not None else time.perf_counter()
+        return now - self.t0 - self.paused_total
+
+
+def _rss_mib(pid: int | None = None) -> float:
+    if pid is None:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def _tree_rss_mib() -> float:
+    """Current RSS of this process and all its descendants (the Ray daemons and actors for tba), MiB."""
+    import psutil
+
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for c in me.children(recursive=True):
+        try:
+            total += c.memory_info().rss
+        except psutil.Error:
+            pass
+    return total / 2**20
+
+
+# -- shared evaluation ---------------------------------------------------------------------------------
+
+def make_config(args, method: str | None = None, seed: int = 0):
+    from tba.config import load_config
+
+    extra = {**BENCH_DEFAULTS, **_parse_sets(args.set)}
+    if args.layers:
+        extra["model.num_hidden_layers"] = args.layers
+    if args.eval_size:
+        extra["task.eval_size"] = args.eval_size
+    if method in ("async", "sync"):
+        extra["run.mode"] = method
+    extra["run.seed"] = seed
+    return load_config(args.config, extra)
+
+
+def _parse_sets(items: list[str]) -> dict[str, Any]:
+    from tba.config import ConfigError, parse_value
+
+    out = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--set '{item}' must look like section.field=VALUE")
+        out[key.strip().lstrip("-")] = parse_value(value)
+    return out
+
+
+class Evaluator:
+    """One bf16 eval model in this process; ``__call__(state_dict)`` loads weights and runs the task's eval."""
+
+    def __init__(self, cfg, policy_path: str, device: str, threads: int):
+        from tba.engines.hf import HFEngine
+        from tba.models import load_causal_lm, load_tokenizer, pick_dtype
+        from tba.runtime.build import task_from_config
+
+        self.cfg, self.threads = cfg, threads
+        self.dtype = pick_dtype(cfg.model.dtype)
+        self.tok = load_tokenizer(policy_path)
+        self.task = task_from_config(cfg)
+        self.model = load_causal_lm(policy_path, self.dtype, cfg.model.num_hidden_layers).to(device)
+        self.engine = HFEngine(self.model, self.tok)
+
+    def __call__(self, state_dict: dict | None = None) -> dict:
+        if state_dict is not None:
+            state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+            self.model.load_state_dict(state_dict, strict=True)
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.threads)
+        t0 = time.perf_counter()
+        try:
+            res = self.task.evaluate(self.engine, self.tok, self.cfg.run.eval_batch_size,
+                                     self.cfg.searcher.max_new_tokens)
+        finally:
+            torch.set_num_threads(before)
+        return {"accuracy": float(res["accuracy"]), "stderr": float(res.get("stderr", float("nan"))),
+                "n": int(res.get("n", len(self.task.eval))), "eval_s": time.perf_counter() - t0}
+
+
+class Tracker:
+    """Decides when to evaluate and when to stop; records the curve."""
+
+    def __init__(self, args, target: float, evaluator: Evaluator, clock: Clock):
+        self.args, self.target, self.evaluator, self.clock = args, target, evaluator, clock
+        self.next_t = args.eval_every_s if args.eval_every_s else math.inf
+        self.points: list[dict] = []
+        self.reached: dict | None = None
+        self.max_tree_rss = 0.0
+
+    def due(self, step: int) -> bool:
+        a = self.args
+        return self.clock.elapsed() >= self.next_t or bool(a.eval_every_steps and step % a.eval_every_steps == 0)
+
+    def should_stop(self) -> bool:
+        return (self.reached is not None and self.args.stop_at_target) or self.clock.elapsed() >= self.args.budget_s
+
+    def record(self, step: int, samples: int, get_state_dict, freeze=None) -> dict:
+        """Pause the clock, (freeze generation,) evaluate the current weights, resume. Returns the point."""
+        self.clock.pause()
+        t = self.clock.elapsed()
+        frozen = freeze() if freeze else None
+        try:
+            self.max_tree_rss = max(self.max_tree_rss, _tree_rss_mib())
+            res = self.evaluator(get_state_dict())
+        finally:
+            if frozen is not None:
+                frozen.thaw()
+            self.clock.resume()
+        while self.next_t <= t:
+            self.next_t += self.args.eval_every_s or math.inf
+        point = {"train_s": t, "step": step, "samples": samples, **res}
+        if frozen is not None:
+            point["frozen_searchers"] = len(frozen.procs)
+        self.points.append(point)
+        if self.reached is None and res["accuracy"] >= self.target - 1e-12:
+            self.reached = point
+        print(f"  [{t:7.1f} s, step {step:4d}] accuracy {res['accuracy']:.3f} +- {res['stderr']:.3f} "
+              f"(eval {res['eval_s']:.1f} s){'  <- target reached' if self.reached is point else ''}", flush=True)
+        return point
+
+
+class Frozen:
+    """SIGSTOPs this process's own ray::SearcherActor descendants; ``thaw`` SIGCONTs them."""
+
+    def __init__(self):
+        import psutil
+
+        self.procs = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                cmd = p.cmdline()
+            except psutil.Error:
+                continue
+            if cmd and cmd[0].startswith("ray::SearcherActor"):
+                try:
+                    p.send_signal(signal.SIGSTOP)
+                    self.procs.append(p)
+                except psutil.Error:
+                    pass
+
+    def thaw(self) -> None:
+        for p in self.procs:
+            try:
+                p.send_signal(signal.SIGCONT)
+            except Exception:  # noqa: BLE001 - a process that died meanwhile
+                pass
+
+
+# -- workers -------------------------------------------------------------------------------------------
+
+def run_tba(args, method: str, seed: int, target: float) -> dict:
+    import ray
+
+    from tba.models import prepare_model
+    from tba.runtime.ray import RayRuntime
+
+    cfg = make_config(args, method, seed)
+    t_setup = time.perf_counter()
+    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
+    ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
+    device = _device(args)
+    evaluator = Evaluator(cfg, policy_path, device, args.threads)
+    clock = Clock()
+    tracker = Tracker(args, target, evaluator, clock)
+    run_dir = Path(args.out) / "runs" / f"{method}-s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    last = {"step": 0, "samples": 0, "staleness": [], "idle": 0.0}
+
+    with RayRuntime(cfg, policy_path, ref_path, run_dir) as rt:
+        ray.get([a.__ray_ready__.remote() for a in rt.actors])  # every model loaded before the clock starts
+        setup_s = time.perf_counter() - t_setup
+
+        def state_dict():
+            return ray.get(ray.get(rt.trainer.publish.remote())[0])
+
+        freeze = Frozen if method == "async" else None
+
+        def progress(step: int, m: dict) -> None:
+            last["step"], last["samples"] = step, int(m.get("buffer/samples_added", 0))
+            last["staleness"].append(m.get("buffer/staleness_mean", 0.0))
+            if tracker.due(step) or step >= cfg.trainer.max_steps or clock.elapsed() >= args.budget_s:
+                tracker.record(step, last["samples"], state_dict, freeze)
+            if tracker.should_stop():
+                raise StopRun
+
+        clock.start()
+        rt.start_searchers()
+        try:
+            rt.train(progress)
+        except StopRun:
+            pass
+        train_s = clock.elapsed()
+        if not tracker.points or tracker.points[-1]["step"] != last["step"]:
+            tracker.record(last["step"], last["samples"], state_dict, freeze)
+    return {"method": method, "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": last["step"],
+            "samples": last["samples"], "points": tracker.points, "reached": tracker.reached,
+            "staleness_mean": statistics.fmean(last["staleness"]) if last["staleness"] else 0.0,
+            "driver_peak_rss_mib": _rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
+            "frozen_searchers": [p.get("frozen_searchers") for p in tracker.points]}
+
+
+def run_trl(args, seed: int, target: float) -> dict:
+    import datasets
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tba.models import load_causal_lm, load_tokenizer, pick_dtype, prepare_model
+    from tba.runtime.build import task_from_config
+    from tba.trainer import build_scheduler
+
+    cfg = make_config(args, None, seed)
+    t_setup = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(seed)
+    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
+    device = _device(args)
+    evaluator = Evaluator(cfg, policy_path, device, args.threads)
+    clock = Clock()
+    tracker = Tracker(args, target, evaluator, clock)
+    task = task_from_config(cfg)
+    tok = load_tokenizer(policy_path)
+    model = load_causal_lm(policy_path, torch.float32, cfg.model.num_hidden_layers)
+    compute = pick_dtype(cfg.model.dtype)
+    t, s = cfg.trainer, cfg.searcher
+    b, k = t.prompts_per_step, t.group_size
+
+    def messages(question: str) -> list[dict]:
+        user = task.prompt_template.format(question=question)
+        return ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else []) + \
+            [{"role": "user", "content": user}]
+
+    data = datasets.Dataset.from_list([{"prompt": messages(p.question), "pid": p.id} for p in task.train])
+
+    def reward(completions, pid, **kwargs) -> list[float]:
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(task.reward(text, task.train[i])) for text, i in zip(texts, pid)]
+
+    reward.__name__ = "task_reward"
+    run_dir = Path(args.out) / "runs" / f"trl-s{seed}"
+    gcfg = GRPOConfig(
+        output_dir=str(run_dir), per_device_train_batch_size=b * k, gradient_accumulation_steps=1,
+        num_generations=k, max_completion_length=s.max_new_tokens, temperature=s.temperature, top_k=0, top_p=1.0,
+        learning_rate=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, max_steps=t.max_steps,
+        beta=args.trl_beta, loss_type=args.trl_loss_type, num_iterations=1, logging_steps=1, save_strategy="no",
+        gradient_checkpointing=args.trl_gradient_checkpointing,
+        report_to="none", bf16=compute == torch.bfloat16, use_cpu=device == "cpu", seed=seed, disable_tqdm=True,
+        dataloader_num_workers=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    sched = build_scheduler(opt, t.lr_schedule, t.max_steps, t.warmup_steps, t.decay_steps)
+    gen_dtype = evaluator.dtype
+
+    class EvalCallback(TrainerCallback):
+        def on_train_begin(self, a, state, control, **kw):
+            clock.start()
+
+        def on_step_end(self, a, state, control, model=None, **kw):
+            step = state.global_step
+            if tracker.due(step) or step >= t.max_steps or clock.elapsed() >= args.budget_s:
+                m = model
+                tracker.record(step, step * b * k, lambda: {n: v.detach().to("cpu", gen_dtype)
+                                                            for n, v in m.state_dict().items()})
+            if tracker.should_stop():
+                control.should_training_stop = True
+            return control
+
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=gcfg, train_dataset=data, processing_class=tok,
+                          callbacks=[EvalCallback()], optimizers=(opt, sched))
+    # same prompt tokens as tba's searchers? (TRL applies the chat template itself)
+    same_tokens = _trl_prompt_tokens(trainer, tok, data[0]["prompt"]) == task.encode(tok, task.train[0])
+    setup_s = time.perf_counter() - t_setup
+    trainer.train()
+    train_s = clock.elapsed()
+    step = trainer.state.global_step
+    if not tracker.points or tracker.points[-1]["step"] != step:
+        tracker.record(step, step * b * k, lambda: {n: v.detach().to("cpu", gen_dtype)
+                                                    for n, v in trainer.model.state_dict().items()})
+    return {"method": "trl", "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": step,
+            "samples": step * b * k, "points": tracker.points, "reached": tracker.reached,
+            "driver_peak_rss_mib": _rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
+            "trl_prompt_tokens_match_tba": same_tokens,
+            "trl": {"beta": args.trl_beta, "loss_type": args.trl_loss_type,
+                    "gradient_checkpointing": args.trl_gradient_checkpointing}}
+
+
+def _trl_prompt_tokens(trainer, tok, prompt) -> list[int] | None:
+    """Token ids TRL feeds the model for a conversational prompt (its own chat-template helper)."""
+    try:
+        from trl.data_utils import apply_chat_template
+
+        text = apply_chat_template({"prompt": prompt}, tok, **(trainer.chat_template_kwargs or {}))["prompt"]
+        return tok(text, add_special_tokens=False)["input_ids"]
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return None
+
+
+def _device(args) -> str:
+    return ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+
+
+def worker_main(args) -> int:
+    torch.set_num_threads(args.threads)
+    target = args.target
+    try:
+        if args.worker == "trl":
+            res = run_trl(args, args.worker_seed, target)
+        else:
+            res = run_tba(args, args.worker, args.worker_seed, target)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        import traceback
+
+        traceback.print_exc()
+        res = {"method": args.worker, "seed": args.worker_seed, "error": f"{type(e).__name__}: {e}"}
+    Path(args.worker_out).write_text(json.dumps(res, indent=2, default=str))
+    return 0 if "error" not in res else 1
+
+
+# -- report --------------------------------------------------------------------------------------------
+
+def summarize(runs: list[dict], methods: list[str], budget_s: float) -> dict[str, dict]:
+    out = {}
+    for m in methods:
+        rs = [r for r in runs if r.get("method") == m and "error" not in r]
+        reached = [r["reached"] for r in rs if r.get("reached")]
+        times = [p["train_s"] for p in reached]
+        out[m] = {
+            "runs": len(rs), "failed": len([r for r in runs if r.get("method") == m and "error" in r]),
+            "reached": len(reached),
+            "time_to_target_s": statistics.median(times) if rs and len(reached) == len(rs) else None,
+            "time_to_target_all_s": [r["reached"]["train_s"] if r.get("reached") else None for r in rs],
+            "steps_to_target": statistics.median([p["step"] for p in reached]) if reached else None,
+            "samples_to_target": statistics.median([p["samples"] for p in reached]) if reached else None,
+            "train_s": statistics.median([r["train_s"] for r in rs]) if rs else None,
+            "steps": statistics.median([r["steps"] for r in rs]) if rs else None,
+            "s_per_step": statistics.median([r["train_s"] / max(1, r["steps"]) for r in rs]) if rs else None,
+            "final_accuracy": statistics.median([r["points"][-1]["accuracy"] for r in rs if r["points"]]) if rs else None,
+            "best_accuracy": statistics.median([max(p["accuracy"] for p in r["points"]) for r in rs if r["points"]]) if rs else None,
+            "setup_s": statistics.median([r["setup_s"] for r in rs]) if rs else None,
+            "peak_rss_mib": max([r.get("tree_rss_max_mib", 0) or r.get("driver_peak_rss_mib", 0) for r in rs], default=None),
+            "budget_s": budget_s,
+        }
+    return out
+
+
+def _ratio(num: dict, den: dict) -> str:
+    a, b = num.get("time_to_target_s"), den.get("time_to_target_s")
+    if a is not None and b is not None:
+        return f"{a / b:.2f}x"
+    if a is None and b is not None and num["runs"]:
+        return f"> {num['train_s'] / b:.2f}x (numerator did not reach the target in {num['train_s']:.0f} s)"
+    if a is not None and b is None and den["runs"]:
+        return f"< {a / den['train_s']:.2f}x (denominator did not reach the target in {den['train_s']:.0f} s)"
+    return "n/a (neither reached the target)"
+
+
+def format_table(summary: dict, meta: dict) -> str:
+    fmt = lambda x, f="{:.0f}": "-" if x is None else f.format(x)  # noqa: E731
+    lines = [f"# Time to target ({meta['time']})", "",
+             f"Base greedy accuracy {meta['base']['accuracy']:.3f} (+- {meta['base']['stderr']:.3f}) on "
+             f"{meta['base']['n']} held-out problems; target {meta['target']:.3f}. Training clock excludes "
+             f"setup and evals. {meta['desc']}", "",
+             "| method | time to target s (median) | reached | steps to target | samples to target | "
+             "best / final accuracy | steps run | train s | s/step | setup s | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m, s in summary.items():
+        lines.append(f"| {LABELS[m]} | {fmt(s['time_to_target_s'], '{:.1f}')} | {s['reached']}/{s['runs']}"
+                     f"{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} | {fmt(s['steps_to_target'])} | "
+                     f"{fmt(s['samples_to_target'])} | {fmt(s['best_accuracy'], '{:.3f}')} / "
+                     f"{fmt(s['final_accuracy'], '{:.3f}')} | {fmt(s['steps'])} | {fmt(s['train_s'])} | "
+                     f"{fmt(s['s_per_step'], '{:.2f}')} | {fmt(s['setup_s'])} | {fmt(s['peak_rss_mib'])} |")
+    lines.append("")
+    if "async" in summary:
+        if "trl" in summary:
+            lines.append(f"- TRL GRPO / tba async time to target: **{_ratio(summary['trl'], summary['async'])}** "
+                         "(issue 4 target: >= 2x)")
+        if "sync" in summary:
+            lines.append(f"- tba sync / tba async time to target: **{_ratio(summary['sync'], summary['async'])}** "
+                         "(issue 4 target: > 1x)")
+    if "trl" in summary and "sync" in summary:
+        lines.append(f"- TRL GRPO / tba sync time to target: {_ratio(summary['trl'], summary['sync'])}")
+    lines += ["", "Command: `" + meta["command"] + "`", ""]
+    return "\n".join(lines)
+
+
+def plot(runs: list[dict], meta: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    base = meta["base"]["accuracy"]
+    seen = set()
+    for r in runs:
+        if "error" in r or not r.get("points"):
+            continue
+        m = r["method"]
+        xs = [0.0] + [p["train_s"] for p in r["points"]]
+        ys = [base] + [p["accuracy"] for p in r["points"]]
+        ax.plot(xs, ys, marker="o", markersize=3, color=COLORS[m], alpha=0.9,
+                label=None if m in seen else LABELS[m])
+        seen.add(m)
+        if r.get("reached"):
+            ax.axvline(r["reached"]["train_s"], color=COLORS[m], linestyle=":", linewidth=1)
+    ax.axhline(meta["target"], color="black", linestyle="--", linewidth=1, label=f"target {meta['target']:.3f}")
+    ax.axhline(base, color="gray", linestyle="--", linewidth=1, label=f"base {base:.3f}")
+    ax.set_xlabel("training wall-clock seconds (setup and evals excluded)")
+    ax.set_ylabel(f"greedy eval accuracy ({meta['base']['n']} problems)")
+    ax.set_title(f"Accuracy vs wall-clock: {meta['short']}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# -- parent --------------------------------------------------------------------------------------------
+
+def run_all(args, argv: list[str]) -> int:
+    from tba.models import prepare_model
+
+    methods = list(dict.fromkeys(args.methods))
+    if "trl" in methods:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            print('error: TRL is not installed (pip install torch==<your torch> trl, or pip install -e ".[bench]")',
+                  file=sys.stderr)
+            return 2
+    cfg = make_config(args)
+    if cfg.searcher.samples_per_prompt != cfg.trainer.group_size:
+        print(f"warning: searcher.samples_per_prompt {cfg.searcher.samples_per_prompt} != trainer.group_size "
+              f"{cfg.trainer.group_size}; TRL uses num_generations = group_size", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(args.threads)
+    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
+    print("base accuracy ...", flush=True)
+    ev = Evaluator(cfg, policy_path, _device(args), args.threads)
+    base = ev()
+    del ev
+    target = args.target if args.target is not None else base["accuracy"] + args.target_delta
+    print(f"base accuracy {base['accuracy']:.3f} +- {base['stderr']:.3f} (n={base['n']}, {base['eval_s']:.1f} s); "
+          f"target {target:.3f}", flush=True)
+    runs = []
+    for rep in range(args.repeats):
+        for m in methods:
+            seed = cfg.run.seed + rep
+            wout = out / f"run-{m}-s{seed}.json"
+            wout.unlink(missing_ok=True)
+            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", m, "--worker-seed", str(seed),
+                   "--worker-out", str(wout), "--target", repr(target)]
+            print(f"\n== {LABELS[m]} (seed {seed}) ==", flush=True)
+            t0 = time.monotonic()
+            try:
+                proc = subprocess.run(cmd, timeout=args.budget_s * 3 + 900)
+                rc = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            if wout.is_file():
+                rec = json.loads(wout.read_text())
+            else:
+                rec = {"method": m, "seed": seed, "error": f"worker exited {rc} without a result"}
+            rec["wall_s"] = time.monotonic() - t0
+            runs.append(rec)
+            if "error" in rec:
+                print(f"  {m} failed: {rec['error']}", flush=True)
+    summary = summarize(runs, methods, args.budget_s)
+    c = cfg
+    desc = (f"Model {c.model.policy}{' (' + str(c.model.num_hidden_layers) + ' layers)' if c.model.num_hidden_layers else ''}, "
+            f"task {c.task.name}, B={c.trainer.prompts_per_step} prompts x K={c.trainer.group_size} samples per step, "
+            f"max new tokens {c.searcher.max_new_tokens}, temperature {c.searcher.temperature}, lr {c.trainer.lr} "
+            f"({c.trainer.lr_schedule}), max {c.trainer.max_steps} steps, budget {args.budget_s:g} s of training "
+            f"clock per run, eval every {args.eval_every_s:g} s{' / ' + str(args.eval_every_steps) + ' steps' if args.eval_every_steps else ''}, "
+            f"{args.repeats} repeat(s), {args.threads} threads; TRL beta {args.trl_beta}, loss {args.trl_loss_type}.")
+    meta = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "base": base, "target": target, "desc": desc,
+            "short": f"{c.task.name}, {c.trainer.prompts_per_step}x{c.trainer.group_size}, "
+                     f"{c.model.num_hidden_layers or 'all'} layers, target {target:.3f}",
+            "command": "python " + " ".join([sys.argv[0], *argv]), "methods": methods}
+    table = format_table(summary, meta)
+    (out / "table.md").write_text(table)
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=2,
+                                                 default=str))
+    png = plot(runs, meta, out / "accuracy_vs_time.png")
+    print("\n" + table, flush=True)
+    print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {png}", flush=True)
+    return 0 if all("error" not in r for r in runs) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="See the module docstring (and benchmarks/README.md) for commands.")
+    p.add_argument("--config", default="configs/quickstart.yaml", help="shared recipe for all methods")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smoke runs)")
+    p.add_argument("--eval-size", type=int, default=None, help="held-out eval problems; default: the config's")
+    p.add_argument("--eval-every-s", type=float, default=60.0, help="evaluate after this much training clock")
+    p.add_argument("--eval-every-steps", type=int, default=0, help="also evaluate every N steps (0: off)")
+    p.add_argument("--budget-s", type=float, default=1800.0, help="max training-clock seconds per run")
+    p.add_argument("--target", type=float, default=None, help="absolute accuracy target (default: base + delta)")
+    p.add_argument("--target-delta", type=float, default=0.10, help="target = base accuracy + this")
+    p.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
+                   help="end a run once it reaches the target (default on)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per method (seeds run.seed + i), interleaved")
+    p.add_argument("--threads", type=int, default=os.cpu_count(),
+                   help="torch threads of the eval and of TRL's single process (tba: its config's threads)")
+    p.add_argument("--device", default="auto", help="eval model device: cpu, cuda or auto")
+    p.add_argument("--trl-beta", type=float, default=0.0, help="TRL GRPO KL coefficient (TRL default 0.0)")
+    p.add_argument("--trl-loss-type", default="dapo", help="TRL GRPO loss_type (TRL default dapo)")
+    p.add_argument("--trl-gradient-checkpointing", action=argparse.BooleanOptionalAction, default=False,
+                   help="TRL's default is on (saves memory, recomputes activations); off here because tba's trainer "
+                        "does not checkpoint")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every method, repeatable (e.g. trainer.lr=2e-5)")
+    p.add_argument("--out", default="benchmarks/results/time_to_target", help="results folder")
+    # internal: one method in a subprocess
+    p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--worker-seed", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tba.runtime.build import quiet_libraries
+
+    quiet_libraries()
+    if args.worker:
+        return worker_main(args)
+    from tba.config import ConfigError
+
+    try:
+        return run_all(args, argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
