@@ -351,6 +351,7 @@ class RayRuntime:
                 self._train_async(progress)
         except (KeyboardInterrupt, FloatingPointError):
             if self.state.step > 0:
+                log.warning("saving a checkpoint once the current trainer step ends (Ctrl-C again: quit without)")
                 path = self.save_checkpoint()
                 log.warning("saved checkpoint at step %d to %s (resume: tba train --resume %s)",
                             self.state.step, path, self.run_dir)
