@@ -161,6 +161,10 @@ class RunConfig(_Section):
     eval_before: bool = Field(True, description="Measure greedy eval accuracy before training.")
     eval_after: bool = Field(True, description="Measure greedy eval accuracy after training.")
     eval_batch_size: int = Field(32, ge=1, description="Prompts per greedy eval batch.")
+    eval_every: int = Field(
+        0, ge=0, description="Also evaluate every N trainer steps (logged as eval/*; searchers keep generating "
+        "meanwhile); 0 = only before and after training."
+    )
     checkpoint_every: int = Field(
         25, ge=0, description="Trainer steps between checkpoints in RUN_DIR/checkpoint (0 = only on Ctrl-C/SIGTERM)."
     )

@@ -344,6 +344,7 @@ class RayRuntime:
         Ctrl-C / SIGTERM (KeyboardInterrupt) and too many non-finite steps in a row save a checkpoint
         first, then propagate.
         """
+        self._t0 = time.monotonic()
         try:
             if self.cfg.run.mode == "sync":
                 self._train_sync(progress)
@@ -396,7 +397,8 @@ class RayRuntime:
 
     def _record(self, metrics: dict, progress) -> None:
         stats = ray.get(self.buffer.stats.remote())
-        metrics = {**stats, **metrics, "searcher/restarts": float(self.state.searcher_restarts)}
+        metrics = {**stats, **metrics, "searcher/restarts": float(self.state.searcher_restarts),
+                   "perf/elapsed_s": time.monotonic() - self._t0}
         st = self.state
         st.staleness_sum += metrics.get("buffer/staleness_mean", 0.0)
         st.staleness_max = max(st.staleness_max, metrics.get("buffer/staleness_max", 0.0))
@@ -404,6 +406,10 @@ class RayRuntime:
         self.on_metrics(st.step, metrics)
         if progress is not None:
             progress(st.step, metrics)
+        every = self.cfg.run.eval_every
+        if every and st.step % every == 0 and st.step < self.cfg.trainer.max_steps:
+            result = self.evaluate()
+            self.on_metrics(st.step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
         st.consecutive_skips = st.consecutive_skips + 1 if metrics.get("train/skipped") else 0
         if st.consecutive_skips > self.cfg.trainer.max_consecutive_skips:
             raise FloatingPointError(f"{st.consecutive_skips} trainer steps in a row had a non-finite loss or "
