@@ -128,17 +128,26 @@ def _rss_mib(pid: int | None = None) -> float:
     return psutil.Process(pid).memory_info().rss / 2**20
 
 
-def _tree_rss_mib() -> float:
-    """Current RSS of this process and all its descendants (the Ray daemons and actors for tba), MiB."""
+def _tree_rss_mib(by_name: dict[str, float] | None = None) -> float:
+    """Current RSS of this process and all its descendants (the Ray daemons and actors for tba), MiB.
+
+    ``by_name`` (optional) is updated with the max RSS seen per process name (``ray::TrainerActor``, ...).
+    """
     import psutil
 
     me = psutil.Process()
-    total = me.memory_info().rss
-    for c in me.children(recursive=True):
+    total = 0
+    for proc in [me, *me.children(recursive=True)]:
         try:
-            total += c.memory_info().rss
+            rss = proc.memory_info().rss
+            cmd = proc.cmdline()
         except psutil.Error:
-            pass
+            continue
+        total += rss
+        if by_name is not None:
+            name = "benchmark process" if proc.pid == me.pid else (
+                cmd[0].split(".")[0] if cmd and cmd[0].startswith("ray::") else Path(cmd[0]).name if cmd else "?")
+            by_name[name] = max(by_name.get(name, 0.0), rss / 2**20)
     return total / 2**20
 
 
@@ -210,6 +219,7 @@ class Tracker:
         self.points: list[dict] = []
         self.reached: dict | None = None
         self.max_tree_rss = 0.0
+        self.rss_by_name: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
         a = self.args
@@ -224,7 +234,7 @@ class Tracker:
         t = self.clock.elapsed()
         frozen = freeze() if freeze else None
         try:
-            self.max_tree_rss = max(self.max_tree_rss, _tree_rss_mib())
+            self.max_tree_rss = max(self.max_tree_rss, _tree_rss_mib(self.rss_by_name))
             res = self.evaluator(get_state_dict())
         finally:
             if frozen is not None:
@@ -320,6 +330,7 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
             "samples": last["samples"], "points": tracker.points, "reached": tracker.reached,
             "staleness_mean": statistics.fmean(last["staleness"]) if last["staleness"] else 0.0,
             "driver_peak_rss_mib": _rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
+            "rss_by_process_mib": tracker.rss_by_name,
             "frozen_searchers": [p.get("frozen_searchers") for p in tracker.points]}
 
 
@@ -401,6 +412,7 @@ def run_trl(args, seed: int, target: float) -> dict:
     return {"method": "trl", "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": step,
             "samples": step * b * k, "points": tracker.points, "reached": tracker.reached,
             "driver_peak_rss_mib": _rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
+            "rss_by_process_mib": tracker.rss_by_name,
             "trl_prompt_tokens_match_tba": same_tokens,
             "trl": {"beta": args.trl_beta, "loss_type": args.trl_loss_type,
                     "gradient_checkpointing": args.trl_gradient_checkpointing}}
@@ -433,7 +445,8 @@ def worker_main(args) -> int:
         import traceback
 
         traceback.print_exc()
-        res = {"method": args.worker, "seed": args.worker_seed, "error": f"{type(e).__name__}: {e}"}
+        msg = (str(e).strip().splitlines() or [""])[0]
+        res = {"method": args.worker, "seed": args.worker_seed, "error": f"{type(e).__name__}: {msg}"}
     Path(args.worker_out).write_text(json.dumps(res, indent=2, default=str))
     return 0 if "error" not in res else 1
 
@@ -461,11 +474,16 @@ def summarize(runs: list[dict], methods: list[str], budget_s: float) -> dict[str
             "setup_s": statistics.median([r["setup_s"] for r in rs]) if rs else None,
             "peak_rss_mib": max([r.get("tree_rss_max_mib", 0) or r.get("driver_peak_rss_mib", 0) for r in rs], default=None),
             "budget_s": budget_s,
+            "errors": [r["error"] for r in runs if r.get("method") == m and "error" in r],
+            "rss_by_process_mib": {k: max(r.get("rss_by_process_mib", {}).get(k, 0.0) for r in rs)
+                                   for k in {k for r in rs for k in r.get("rss_by_process_mib", {})}},
         }
     return out
 
 
 def _ratio(num: dict, den: dict) -> str:
+    if not num["runs"] or not den["runs"]:
+        return "n/a (a method has no successful run)"
     a, b = num.get("time_to_target_s"), den.get("time_to_target_s")
     if a is not None and b is not None:
         return f"{a / b:.2f}x"
@@ -483,7 +501,7 @@ def format_table(summary: dict, meta: dict) -> str:
              f"{meta['base']['n']} held-out problems; target {meta['target']:.3f}. Training clock excludes "
              f"setup and evals. {meta['desc']}", "",
              "| method | time to target s (median) | reached | steps to target | samples to target | "
-             "best / final accuracy | steps run | train s | s/step | setup s | peak RSS MiB |",
+             "best / final accuracy | steps run | train s | s/step | setup s | RSS MiB (max at evals, all processes) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, s in summary.items():
         lines.append(f"| {LABELS[m]} | {fmt(s['time_to_target_s'], '{:.1f}')} | {s['reached']}/{s['runs']}"
@@ -492,6 +510,12 @@ def format_table(summary: dict, meta: dict) -> str:
                      f"{fmt(s['final_accuracy'], '{:.3f}')} | {fmt(s['steps'])} | {fmt(s['train_s'])} | "
                      f"{fmt(s['s_per_step'], '{:.2f}')} | {fmt(s['setup_s'])} | {fmt(s['peak_rss_mib'])} |")
     lines.append("")
+    for m, s in summary.items():
+        if s.get("rss_by_process_mib"):
+            lines.append(f"- {LABELS[m]} max RSS per process (MiB, sampled at evals): " + ", ".join(
+                f"{k} {v:.0f}" for k, v in sorted(s["rss_by_process_mib"].items(), key=lambda kv: -kv[1])[:6]))
+        for r in s.get("errors", []):
+            lines.append(f"- {LABELS[m]} run failed: {r[:200]}")
     if "async" in summary:
         if "trl" in summary:
             lines.append(f"- TRL GRPO / tba async time to target: **{_ratio(summary['trl'], summary['async'])}** "
@@ -525,6 +549,11 @@ def plot(runs: list[dict], meta: dict, path: Path) -> Path:
         seen.add(m)
         if r.get("reached"):
             ax.axvline(r["reached"]["train_s"], color=COLORS[m], linestyle=":", linewidth=1)
+    ys_all = [base, meta["target"]] + [p["accuracy"] for r in runs if "error" not in r for p in r.get("points", [])]
+    lo, hi = max(0.0, min(ys_all) - 0.05), min(1.0, max(ys_all) + 0.05)
+    if hi - lo < 0.2:
+        lo, hi = max(0.0, (lo + hi) / 2 - 0.1), min(1.0, max(0.2, (lo + hi) / 2 + 0.1))
+    ax.set_ylim(lo, hi)
     ax.axhline(meta["target"], color="black", linestyle="--", linewidth=1, label=f"target {meta['target']:.3f}")
     ax.axhline(base, color="gray", linestyle="--", linewidth=1, label=f"base {base:.3f}")
     ax.set_xlabel("training wall-clock seconds (setup and evals excluded)")
@@ -627,8 +656,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
                    help="end a run once it reaches the target (default on)")
     p.add_argument("--repeats", type=int, default=1, help="runs per method (seeds run.seed + i), interleaved")
-    p.add_argument("--threads", type=int, default=os.cpu_count(),
-                   help="torch threads of the eval and of TRL's single process (tba: its config's threads)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads of TRL's single process and of the eval; default: the cores tba's runtime "
+                        "uses (searcher.num_searchers x searcher.threads + trainer.threads: 2 for the quickstart)")
     p.add_argument("--device", default="auto", help="eval model device: cpu, cuda or auto")
     p.add_argument("--trl-beta", type=float, default=0.0, help="TRL GRPO KL coefficient (TRL default 0.0)")
     p.add_argument("--trl-loss-type", default="dapo", help="TRL GRPO loss_type (TRL default dapo)")
@@ -654,6 +684,11 @@ def main(argv: list[str] | None = None) -> int:
     from tba.runtime.build import quiet_libraries
 
     quiet_libraries()
+    if args.threads is None:
+        from tba.config import load_config
+
+        c = load_config(args.config, _parse_sets(args.set))
+        args.threads = c.searcher.num_searchers * c.searcher.threads + c.trainer.threads
     if args.worker:
         return worker_main(args)
     from tba.config import ConfigError

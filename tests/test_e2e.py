@@ -64,7 +64,8 @@ def _assert_nothing_left(marker: str):
 def test_async_run_end_to_end(tmp_path, model_path):
     out = tmp_path / "run"
     marker = f"async-{os.getpid()}-{time.time()}"
-    r = _tba([*TINY, "--max-steps", "6", "--trainer.sync_period", "2", "--output-dir", str(out)], marker=marker)
+    r = _tba([*TINY, "--max-steps", "6", "--trainer.sync_period", "2", "--run.eval_every", "3",
+              "--output-dir", str(out)], marker=marker)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == 6
@@ -72,8 +73,11 @@ def test_async_run_end_to_end(tmp_path, model_path):
     assert 0 <= summary["eval_before"]["accuracy"] <= 1 and 0 <= summary["eval_after"]["accuracy"] <= 1
     assert summary["eval_after"]["n"] == 8
     assert "eval accuracy: before" in r.stdout and "staleness" in r.stdout
-    records = read_metrics(out / "metrics.jsonl")
+    all_records = read_metrics(out / "metrics.jsonl")
+    records = [rec for rec in all_records if "loss/tb" in rec]
     assert [rec["step"] for rec in records] == [1, 2, 3, 4, 5, 6]
+    evals = [rec for rec in all_records if "eval/accuracy" in rec]
+    assert [rec["step"] for rec in evals] == [3] and evals[0]["eval/n"] == 8  # run.eval_every
     assert all("loss/tb" in rec and "buffer/staleness_max" in rec for rec in records)
     # staleness bound of the recent branch (algorithm.md 3): at most 2k - 1 = 3 with m = 0.95's recent
     # draws; the off-policy branch may be older, so check the configured sampling produced metrics only

@@ -132,10 +132,10 @@ class Trainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip))
         skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
         if skipped:
-            self.optimizer.zero_grad(set_to_none=True)
             self.skipped_steps += 1
         else:
             self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)  # free the gradients between steps (evals, checkpoints)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step_count += 1

@@ -193,7 +193,9 @@ def _loopback_only() -> None:
 
 def init_ray(cfg: Config) -> None:
     """Join ``run.ray_address``, or start a private local instance that listens on loopback only."""
-    env = {"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}}
+    # MALLOC_ARENA_MAX: glibc's per-thread arenas otherwise inflate each worker's RSS by GBs of freed memory
+    env = {"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false",
+                        "MALLOC_ARENA_MAX": "2"}}
     if cfg.run.ray_address:
         host = cfg.run.ray_address.rsplit(":", 1)[0].strip("[]")
         loopback = host in ("localhost", "::1") or host.startswith("127.")
