@@ -44,8 +44,8 @@ Commands (repository root, venv active)
 ---------------------------------------
 Smoke test (2-layer model, small matmul; ~2-3 minutes on 2 busy cores; checks the plumbing)::
 
-    python benchmarks/throughput.py --layers 2 --matmul-n 1024 --batch-sizes 8 --max-new-tokens 8 \\
-        --repeats 2 --train-steps 2 --publish-repeats 3 --out /tmp/throughput_smoke.md
+    python benchmarks/throughput.py --layers 2 --threads 1 --matmul-n 1024 --batch-sizes 8 32 --max-new-tokens 8 \\
+        --repeats 3 --train-steps 3 --publish-repeats 3 --out /tmp/throughput_smoke.md
 
 Full (the quickstart model; ~10 minutes on 2 CPU cores; on a GPU machine it runs on the GPU)::
 
@@ -53,7 +53,8 @@ Full (the quickstart model; ~10 minutes on 2 CPU cores; on a GPU machine it runs
 
 Caveats: absolute times depend on whatever else runs on the machine; read the ratios (measured side by side
 and interleaved), not the absolute numbers. On a CPU the peak and all throughputs use ``--threads`` threads
-(default: all cores), while a quickstart run gives the searcher and the trainer one thread each.
+(default: all cores), while a quickstart run gives the searcher and the trainer one thread each. On cores
+shared with other jobs use ``--threads 1``: multi-threaded torch stalls when its threads cannot all run.
 """
 
 from __future__ import annotations

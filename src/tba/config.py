@@ -69,7 +69,7 @@ class TaskConfig(_Section):
         description="reasoning-gym: regex whose last match's group 1 is the answer given to the scorer; "
         "None = the last number in the response.",
     )
-    seed: int = Field(0, description="Seed of the generated train set (eval uses seed + 1).")
+    seed: int = Field(0, description="reasoning-gym: eval = items seed+1 .. seed+eval_size, train = the items after.")
 
 
 class SearcherConfig(_Section):

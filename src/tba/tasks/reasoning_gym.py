@@ -12,8 +12,8 @@ from tba.tasks.base import Problem, Task
 class ReasoningGymTask(Task):
     """Procedurally generated verifiable problems (reasoning-gym, Apache-2.0).
 
-    Train and eval sets come from different seeds; eval questions that also occur in the train set are
-    removed from the train set, so the eval stays held out even for small problem spaces.
+    Train and eval sets are disjoint stretches of the dataset's item stream; a train question whose text
+    also occurs in the eval set (small problem spaces repeat) is dropped, so the eval stays held out.
 
     Args:
         dataset: reasoning-gym dataset name, e.g. ``chain_sum``.
@@ -31,8 +31,10 @@ class ReasoningGymTask(Task):
 
         self.name = f"reasoning_gym:{dataset}"
         try:
+            # reasoning-gym draws item i from Random(seed + i): eval takes items seed+1 .. seed+eval_size and
+            # train the items after them, so the two never share a draw (overlapping seeds would)
             eval_ds = reasoning_gym.create_dataset(dataset, size=eval_size, seed=seed + 1, **options)
-            train_ds = reasoning_gym.create_dataset(dataset, size=train_size, seed=seed, **options)
+            train_ds = reasoning_gym.create_dataset(dataset, size=train_size, seed=seed + 1 + eval_size, **options)
         except (KeyError, TypeError, AssertionError, ValueError) as e:
             raise ValueError(f"task '{self.name}' with options {options}: {e}") from None
         self._scorer = train_ds
