@@ -54,7 +54,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=60, help="task.train_size (small: groups fill quickly)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra overrides")
     ap.add_argument("--max-growth", type=float, default=0.25,
-                    help="fail if any process's RSS at the end exceeds its RSS at training start by this fraction")
+                    help="fail if any process's RSS at the end exceeds its RSS at half time by this fraction")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak"))
     args = ap.parse_args()
 
@@ -94,13 +94,16 @@ def main() -> int:
     if not started:
         raise SystemExit("training never started within the soak")
     first, last = started[0]["rss"], started[-1]["rss"]
+    half = started[len(started) // 2]  # warm-up (allocator pools, longest responses) is over by then
+    (out / "rss.json").write_text(json.dumps(samples))
     rows, worst = [], 0.0
     for key in sorted(set(first) & set(last)):
         peak = max(s["rss"].get(key, 0.0) for s in started)
-        growth = last[key] / first[key] - 1
+        mid = half["rss"].get(key, first[key])
+        growth = last[key] / mid - 1
         worst = max(worst, growth)
-        rows.append(f"| {key.split('#')[0]} (pid {key.split('#')[1]}) | {first[key]:.0f} | {last[key]:.0f} | "
-                    f"{peak:.0f} | {growth:+.1%} |")
+        rows.append(f"| {key.split('#')[0]} (pid {key.split('#')[1]}) | {first[key]:.0f} | {mid:.0f} | "
+                    f"{last[key]:.0f} | {peak:.0f} | {last[key] / first[key] - 1:+.1%} | {growth:+.1%} |")
     sizes = [r["buffer/size"] for r in records]
     largest = max(r.get("buffer/largest_group", 0) for r in records)
     total_first = sum(first.values())
@@ -110,10 +113,12 @@ def main() -> int:
         f"{int(records[-1]['buffer/samples_added'])} samples generated; memory sampled every {args.every:g} s "
         f"from the first trainer step ({started[0]['t']:.0f} s) to the end ({started[-1]['t']:.0f} s).",
         "",
-        "| process | RSS at start (MiB) | RSS at end (MiB) | peak (MiB) | change |",
-        "|---|---|---|---|---|",
+        f"| process | RSS at start (MiB) | RSS at half time, {half['t']:.0f} s (MiB) | RSS at end (MiB) | peak (MiB) | "
+        "change start->end | change half->end |",
+        "|---|---|---|---|---|---|---|",
         *rows,
-        f"| all | {total_first:.0f} | {total_last:.0f} | | {total_last / total_first - 1:+.1%} |",
+        f"| all | {total_first:.0f} | {sum(half['rss'].values()):.0f} | {total_last:.0f} | | "
+        f"{total_last / total_first - 1:+.1%} | {total_last / sum(half['rss'].values()) - 1:+.1%} |",
         "",
         f"Buffer: {args.prompts} prompts x capacity {args.capacity} = at most {args.prompts * args.capacity} samples; "
         f"size first/max/last = {sizes[0]:.0f}/{max(sizes):.0f}/{sizes[-1]:.0f}; largest group ever {largest:.0f}.",
