@@ -284,15 +284,9 @@ def report(out: Path) -> str:
 # -- running -----------------------------------------------------------------------------------------
 
 def _parse_sets(items: list[str]) -> dict[str, Any]:
-    from tba.config import ConfigError, parse_value
+    from tba.config import parse_assignments
 
-    out = {}
-    for item in items:
-        key, eq, value = item.partition("=")
-        if not eq:
-            raise ConfigError(f"--set '{item}' must look like section.field=VALUE")
-        out[key.strip().lstrip("-")] = parse_value(value)
-    return out
+    return parse_assignments(items, "--set")
 
 
 def run_study(args) -> int:

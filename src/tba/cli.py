@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tba.config import ConfigError, iter_fields, load_config, parse_value
+from tba.config import ConfigError, iter_fields, load_config, parse_assignments, parse_value
 
 SHORTCUTS = {"--max-steps": "trainer.max_steps", "--ray-address": "run.ray_address",
              "--output-dir": "run.output_dir", "--mode": "run.mode", "--seed": "run.seed"}
@@ -49,12 +49,7 @@ def parse_train_args(argv: list[str]) -> tuple[str | None, dict, str | None]:
     resume = ns.pop("resume")
     if config and "=" in config:  # `tba train trainer.lr=1e-5` with no config file
         assignments, config = [config, *assignments], None
-    overrides = {k: parse_value(v) for k, v in ns.items()}
-    for a in assignments:
-        key, eq, value = a.partition("=")
-        if not eq:
-            raise ConfigError(f"override '{a}' must look like section.field=VALUE")
-        overrides[key.strip().lstrip("-")] = parse_value(value)
+    overrides = {**{k: parse_value(v) for k, v in ns.items()}, **parse_assignments(assignments)}
     if resume and config is None:
         config = str(Path(resume) / "config.yaml")
     return config, overrides, resume

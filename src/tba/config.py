@@ -213,6 +213,21 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def parse_assignments(items: list[str], what: str = "override") -> dict[str, Any]:
+    """``['trainer.lr=1e-5', ...]`` -> ``{'trainer.lr': 1e-05}`` (values parsed by :func:`parse_value`).
+
+    Raises:
+        ConfigError: an item without '='.
+    """
+    out: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"{what} '{item}' must look like section.field=VALUE")
+        out[key.strip().lstrip("-")] = parse_value(value)
+    return out
+
+
 def set_dotted(data: dict, dotted: str, value: Any) -> None:
     """Set ``data['a']['b'] = value`` for ``dotted == 'a.b'``, creating sections as needed.
 
