@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,6 +62,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run_dir = out / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a previous soak's metrics would fake "training started"
     marker = f"soak-{os.getpid()}-{time.time()}"
     argv = [sys.executable, "-m", "tba.cli", "train", args.config, "--searcher.num_searchers", "2",
             "--max-steps", "1000000", "--run.eval_before", "false", "--run.eval_after", "false",
