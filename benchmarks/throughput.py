@@ -27,9 +27,9 @@ c. **Trainer**: ``tba.trainer.Trainer.step`` on a quickstart-sized batch: B = 4 
    ``--train-steps`` steps after one warm-up step.
 d. **Weight publication latency**: real Ray (``ray.init(address="local", num_cpus=2, ...)``, loopback, no
    dashboard). A "trainer" actor holds the float32 policy inside a real ``Trainer`` and publishes the way
-   ``TrainerActor.publish`` does (``Trainer.publish_state_dict(generation dtype)`` then ``ray.put``, the ref
-   wrapped in a list); a "searcher" actor gets the ref and ``load_state_dict(strict=True)`` into its bf16
-   copy (what ``Searcher.load_weights`` does). Latency = driver wall time from the publish call to the
+   ``TrainerActor.publish`` does (``Trainer.publish_weights(generation dtype)``: one packed byte buffer, tied
+   weights once, then ``ray.put``, the ref wrapped in a list); a "searcher" actor gets the ref and
+   ``load_packed_weights`` into its bf16 copy (what ``Searcher.load_weights`` does). Latency = driver wall time from the publish call to the
    searcher's model having loaded the weights (median over ``--publish-repeats``), with the split into
    publish (copy + put), fetch (``ray.get``) and load. Not included: the buffer actor's hop and the time a
    searcher spends finishing its current generation batch before it looks for new weights (by design it
@@ -283,7 +283,7 @@ def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, 
 
         def publish(self, dtype):
             t0 = time.perf_counter()
-            ref = ray.put(self.trainer.publish_state_dict(dtype))
+            ref = ray.put(self.trainer.publish_weights(dtype))
             return [ref], time.perf_counter() - t0
 
         def rss_mib(self):
@@ -302,11 +302,13 @@ def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, 
             self.model = load_causal_lm(path, dtype, layers)
 
         def load(self, refs):
+            from tba.weights import load_packed_weights
+
             t0 = time.perf_counter()
-            sd = ray.get(refs[0])
+            packed = ray.get(refs[0])
             t1 = time.perf_counter()
-            self.model.load_state_dict(sd, strict=True)
-            return t1 - t0, time.perf_counter() - t1, sum(v.numel() * v.element_size() for v in sd.values())
+            load_packed_weights(self.model, packed)
+            return t1 - t0, time.perf_counter() - t1, packed.data.nbytes
 
         def rss_mib(self):
             return _rss_mib()

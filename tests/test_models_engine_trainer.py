@@ -10,6 +10,7 @@ from tba.models import ModelLoadError, pad_prompt_response, prepare_model, token
 from tba.tasks import build_task
 from tba.trainer import Trainer, linear_beta
 from tba.types import Batch, Sample
+from tba.weights import load_packed_weights, pack_weights
 
 
 def _prompts(tokenizer, n=2):
@@ -135,7 +136,7 @@ def test_searcher_step_produces_scored_samples(tiny_model, model_path, tokenizer
     assert all(x.policy_version == 0 and x.searcher_id == 1 for x in samples)
     assert 0.0 <= metrics["searcher/reward_mean"] <= 1.0
     # the shard cycles without repeats: the next batch finishes the epoch with the remaining prompt
-    s.load_weights(5, {k: v * 1.0 for k, v in tiny_model.state_dict().items()})
+    s.load_weights(5, pack_weights(tiny_model))
     samples2, _ = s.step()
     assert s.version == 5 and all(x.policy_version == 5 for x in samples2)
     seen = {x.prompt_id for x in samples} | {x.prompt_id for x in samples2}
@@ -170,3 +171,27 @@ def test_searcher_survives_raising_and_hanging_rewards(tiny_model, model_path, t
     calls["n"] = 0
     samples, _ = s.step()
     assert sorted(x.reward for x in samples) == [-1.0, -1.0, 1.0, 1.0]
+
+
+def test_packed_weights_round_trip_and_tied_once(model_path):
+    """fp32 master weights -> bf16 pack -> a perturbed bf16 copy: every tensor equals the cast original,
+    the tied embedding / LM head is stored once and still tied after loading, a wrong architecture raises."""
+    from tba.models import load_causal_lm
+
+    src = load_causal_lm(model_path, torch.float32, 2)
+    dst = load_causal_lm(model_path, torch.bfloat16, 2)
+    with torch.no_grad():
+        for p in dst.parameters():
+            p.add_(1.0)
+    packed = pack_weights(src, torch.bfloat16)
+    unique = {p.data_ptr(): p for p in src.parameters()}  # tied parameters appear once here
+    assert len(unique) < len(src.state_dict())  # SmolLM2 ties lm_head to the embedding
+    # 2 bytes per unique parameter, each tensor padded to 64 bytes at most
+    n_params = sum(p.numel() for p in unique.values())
+    assert 2 * n_params <= packed.data.nbytes < 2 * n_params + 64 * len(packed.entries)
+    load_packed_weights(dst, packed)
+    for name, t in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[name], t.to(torch.bfloat16)), name
+    assert dst.lm_head.weight.data_ptr() == dst.model.embed_tokens.weight.data_ptr()
+    with pytest.raises(ValueError, match="do not match"):
+        load_packed_weights(load_causal_lm(model_path, torch.bfloat16, 1), packed)

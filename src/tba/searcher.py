@@ -14,7 +14,8 @@ import torch
 from tba.models import token_logprobs
 from tba.tasks.base import Task
 from tba.rewards import call_with_timeout, check_reward
-from tba.types import Sample
+from tba.types import PackedWeights, Sample
+from tba.weights import load_packed_weights
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,13 @@ class Searcher:
         self._prompt_ids = {i: task.encode(tokenizer, task.train[i]) for i in self.problem_ids}
         self.reward_failures = 0
 
-    def load_weights(self, version: int, state_dict: dict) -> None:
-        """Load published policy weights (any float dtype; cast to the engine model's dtype)."""
-        self.engine.model.load_state_dict(state_dict, strict=True)
+    def load_weights(self, version: int, weights: PackedWeights) -> None:
+        """Load published policy weights (:meth:`Trainer.publish_weights`; cast to the engine's dtype).
+
+        Raises:
+            ValueError: the weights are of a different architecture.
+        """
+        load_packed_weights(self.engine.model, weights)
         self.version = version
 
     def next_prompts(self) -> list[int]:

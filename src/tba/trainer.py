@@ -13,7 +13,8 @@ import torch
 
 from tba.losses import LOSSES, LossHParams, LossInputs
 from tba.models import token_logprobs
-from tba.types import Batch
+from tba.types import Batch, PackedWeights
+from tba.weights import pack_weights
 
 
 def linear_beta(step: int, beta_start: float, beta_end: float, anneal_steps: int) -> float:
@@ -159,10 +160,10 @@ class Trainer:
     def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
-    def publish_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """CPU copy of the policy weights for the searchers, cast to ``dtype`` (halves transfer for bf16)."""
-        return {k: v.detach().to("cpu", dtype=dtype or v.dtype, copy=True) for k, v in self.model.state_dict().items()}
-
+    def publish_weights(self, dtype: torch.dtype | None = None) -> PackedWeights:
+        """The policy weights for the searchers, packed in one CPU buffer and cast to ``dtype`` (see
+        :func:`tba.weights.pack_weights`; bf16 halves the bytes)."""
+        return pack_weights(self.model, dtype)
 
 def _pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:
     out = torch.zeros((len(rows), width))

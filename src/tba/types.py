@@ -62,8 +62,17 @@ class Batch:
 
 
 @dataclass
-class WeightsUpdate:
-    """A published policy: a version number and its state dict (CPU tensors) or a reference to it."""
+class PackedWeights:
+    """Published policy weights in ONE flat byte buffer (trainer -> object store -> searchers).
 
-    version: int
-    state_dict: dict
+    One contiguous array is one object-store copy, and Ray hands a numpy array to its readers without
+    copying it again (a dict of torch tensors is pickled tensor by tensor and copied on every read).
+    Tied parameters (e.g. SmolLM2's embedding and LM head) are stored once.
+
+    Attributes:
+        entries: ``(name, dtype, shape, byte_offset)`` per stored tensor, dtype as ``str(torch.dtype)``.
+        data: uint8 numpy array [total bytes]; each tensor starts at a 64-byte-aligned offset.
+    """
+
+    entries: list
+    data: object

@@ -147,7 +147,7 @@ class TrainerActor:
 
     def publish(self) -> list:
         """Put the current weights (generation dtype) in the object store; returns ``[ref]``."""
-        return [ray.put(self.trainer.publish_state_dict(self.gen_dtype))]
+        return [ray.put(self.trainer.publish_weights(self.gen_dtype))]
 
     def evaluate(self) -> dict:
         """The task's held-out metrics for the current policy (greedy accuracy by default), on a copy in
