@@ -72,7 +72,8 @@ def test_async_run_end_to_end(tmp_path, model_path):
     assert summary["searcher_max_version"] >= 2  # weights reached the searchers
     assert 0 <= summary["eval_before"]["accuracy"] <= 1 and 0 <= summary["eval_after"]["accuracy"] <= 1
     assert summary["eval_after"]["n"] == 8
-    assert "eval accuracy: before" in r.stdout and "staleness" in r.stdout
+    assert "eval accuracy: before" in r.stdout and "staleness" in r.stdout and "trainer idle" in r.stdout
+    assert 0 <= summary["trainer_idle_frac"] < 1
     all_records = read_metrics(out / "metrics.jsonl")
     records = [rec for rec in all_records if "loss/tb" in rec]
     assert [rec["step"] for rec in records] == [1, 2, 3, 4, 5, 6]
@@ -106,6 +107,9 @@ def test_sync_mode_is_on_policy(tmp_path):
     assert all(rec["buffer/staleness_max"] == 0 and rec["buffer/on_policy_frac"] == 1.0 for rec in records)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["searcher_max_version"] == 2 and summary["staleness_max"] == 0
+    # the synchronous trainer waits for every batch's generation, so it is idle part of the loop
+    assert 0 < summary["trainer_idle_frac"] < 1
+    assert all(0 <= rec["perf/trainer_idle_frac"] < 1 for rec in records)
 
 
 def test_bad_config_fails_before_loading(tmp_path):

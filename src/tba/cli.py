@@ -139,6 +139,7 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
         "staleness_mean": state.staleness_sum / max(1, state.step),
         "staleness_max": state.staleness_max,
         "train_wall_s": train_s,
+        "trainer_idle_frac": 1.0 - state.train_s / state.loop_s if state.loop_s else None,
         "wall_s": time.monotonic() - t_start,
     })
     if (run_dir / "metrics.jsonl").stat().st_size:
@@ -188,7 +189,8 @@ def print_summary(s: dict) -> None:
         lines.append(f"eval {key}: before {fmt(b)} -> after {fmt(a)}{gain}{noise}")
     lines += [
         f"trainer steps: {s['trainer_steps']}   samples generated: {s['samples_generated']}",
-        f"wall time: {s['wall_s']:.0f} s (training {s['train_wall_s']:.0f} s)",
+        f"wall time: {s['wall_s']:.0f} s (training {s['train_wall_s']:.0f} s"
+        + (f", trainer idle {s['trainer_idle_frac']:.1%} of it)" if s.get("trainer_idle_frac") is not None else ")"),
         f"staleness (trainer step - policy version): mean {s['staleness_mean']:.2f}, max {s['staleness_max']:.0f}",
         f"searchers: newest policy version received {s['searcher_max_version']}, restarts {s['searcher_restarts']}, "
         f"reward failures {s['reward_failures']}",

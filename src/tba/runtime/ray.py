@@ -221,6 +221,8 @@ class RunState:
     staleness_max: float = 0.0
     searcher_restarts: int = 0
     consecutive_skips: int = 0
+    train_s: float = 0.0  # seconds inside trainer steps ...
+    loop_s: float = 0.0  # ... out of seconds of training loop (no evals or checkpoints): idle = 1 - train/loop
     extra: dict = field(default_factory=dict)  # e.g. eval_before, carried across resumes
     last: dict = field(default_factory=dict)
 
@@ -370,6 +372,7 @@ class RayRuntime:
         if self.state.step == 0:
             ray.get(self.buffer.sync.remote(0))
         while self.state.step < c.trainer.max_steps:
+            t_iter = time.monotonic()
             self._check_searchers()
             metrics = ray.get(self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
                                                              c.trainer.group_size))
@@ -380,28 +383,35 @@ class RayRuntime:
             if self.state.step % k == 0:
                 self._publish(self.state.step)
                 ray.get(self.buffer.sync.remote(self.state.step - k))
-            self._record(metrics, progress)
+            self._record(metrics, progress, time.monotonic() - t_iter)
 
     def _train_sync(self, progress) -> None:
         c = self.cfg
         while self.state.step < c.trainer.max_steps:
+            t_iter = time.monotonic()
             ray.get([s.run.remote(self.buffer, 1) for s in self.searchers])
             ray.get(self.buffer.sync.remote(self.state.step))  # only what this step's policy generated
             metrics = ray.get(self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
                                                              c.trainer.group_size))
             self.state.step += 1
             self._publish(self.state.step)
-            self._record(metrics, progress)
+            self._record(metrics, progress, time.monotonic() - t_iter)
 
     def _publish(self, version: int) -> None:
         refs = ray.get(self.trainer.publish.remote())
         ray.get(self.buffer.publish.remote(version, refs))
 
-    def _record(self, metrics: dict, progress) -> None:
-        stats = ray.get(self.buffer.stats.remote())
-        metrics = {**stats, **metrics, "searcher/restarts": float(self.state.searcher_restarts),
-                   "perf/elapsed_s": time.monotonic() - self._t0}
+    def _record(self, metrics: dict, progress, loop_s: float) -> None:
+        """Log one step. ``loop_s``: wall seconds of this step's loop iteration (generation in sync mode,
+        the trainer step, weight publication and buffer sync), for ``perf/trainer_idle_frac`` (issue 4):
+        the fraction of loop time the trainer was not computing a step, cumulative over the run."""
         st = self.state
+        st.train_s += metrics.get("perf/train_step_s", 0.0)
+        st.loop_s += loop_s
+        stats = ray.get(self.buffer.stats.remote())
+        metrics = {**stats, **metrics, "searcher/restarts": float(st.searcher_restarts),
+                   "perf/elapsed_s": time.monotonic() - self._t0,
+                   "perf/trainer_idle_frac": max(0.0, 1.0 - st.train_s / max(st.loop_s, 1e-9))}
         st.staleness_sum += metrics.get("buffer/staleness_mean", 0.0)
         st.staleness_max = max(st.staleness_max, metrics.get("buffer/staleness_max", 0.0))
         st.last = metrics
