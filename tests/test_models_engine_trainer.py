@@ -37,6 +37,21 @@ def test_behaviour_logprobs_match_rescoring(tiny_model, tokenizer):
         assert all(v <= 0 for v in g.logprobs)
 
 
+def test_shared_prefill_equals_separate_prompts(tiny_model, tokenizer):
+    """K samples continuing one prefill of their prompt (padded to a longer prompt) decode exactly as K
+    separate copies of the prompt do: same greedy tokens, same log-probs (float32)."""
+    _, prompts = _prompts(tokenizer, 3)
+    prompts[1] = prompts[1][3:]  # different lengths, so left padding and positions matter
+    engine = HFEngine(tiny_model, tokenizer)
+    shared = engine.generate(prompts, num_samples=2, max_new_tokens=10, greedy=True)
+    separate = engine.generate([p for p in prompts for _ in range(2)], num_samples=1, max_new_tokens=10, greedy=True)
+    flat_shared = [g for grp in shared for g in grp]
+    flat_separate = [grp[0] for grp in separate]
+    for a, b in zip(flat_shared, flat_separate, strict=True):
+        assert a.response_ids == b.response_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
 def test_token_logprobs_independent_of_batch_padding(tiny_model):
     """A response scores the same alone or padded next to longer prompts/responses."""
     p1, r1 = [1, 2, 3], [4, 5]
@@ -72,14 +87,17 @@ def _batch(model, prompts, k=4):
 
 @pytest.mark.parametrize("loss_name", ["tb", "grpo"])
 def test_micro_batched_step_equals_single_pass(model_path, tokenizer, loss_name):
-    """Gradient accumulation over micro batches reproduces the one-pass gradient of the coupled loss."""
+    """Gradient accumulation over micro batches reproduces the one-pass gradient of the coupled loss, with
+    and without gradient checkpointing (``trainer.gradient_checkpointing``)."""
     from tba.models import load_causal_lm
 
     _, prompts = _prompts(tokenizer)
     grads = []
-    for mb in (8, 3):
+    for mb, checkpointing in ((8, False), (3, False), (3, True)):
         torch.manual_seed(0)
         model = load_causal_lm(model_path, torch.float32, 2)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         batch = _batch(model, prompts)
         tr = Trainer(model, tokenizer.pad_token_id, loss_name=loss_name, micro_batch_size=mb, lr=1e-4,
                      grad_clip=1e9, lr_schedule="constant")
@@ -96,6 +114,7 @@ def test_micro_batched_step_equals_single_pass(model_path, tokenizer, loss_name)
         assert not torch.equal(before, model.model.layers[0].mlp.up_proj.weight)  # weights moved
     # float32 summation order differs between the layouts: compare relative to the gradient norm
     assert (grads[0] - grads[1]).norm() / grads[0].norm() < 1e-4
+    assert (grads[1] - grads[2]).norm() / grads[1].norm() < 1e-5
 
 
 def test_beta_schedule_hand_values():

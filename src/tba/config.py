@@ -126,6 +126,10 @@ class TrainerConfig(_Section):
     micro_batch_size: int = Field(
         16, ge=1, description="Responses per forward/backward; gradients accumulate over B*K / this."
     )
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute layer activations in the backward pass (transformers' gradient "
+        "checkpointing): less trainer memory for about a third more compute per step."
+    )
     lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate (paper GSM8K: 1e-5).")
     lr_schedule: Literal["wsd", "linear", "constant"] = Field(
         "wsd", description="wsd = warmup-stable-decay (paper GSM8K), linear = warmup then linear decay (TL;DR)."

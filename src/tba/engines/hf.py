@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,8 @@ class HFEngine:
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = set(_as_list(model.generation_config.eos_token_id) or [tokenizer.eos_token_id])
+        # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns, later fails)
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @torch.no_grad()
     def generate(
@@ -104,7 +107,7 @@ class HFEngine:
 
             cache = DynamicCache(config=self.model.config)
             pos = (attn[:, :-1].cumsum(-1) - 1).clamp(min=0)
-            self.model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos, past_key_values=cache,
+            self.model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos, **{self._cache_kw: cache},
                        use_cache=True, logits_to_keep=1)
             cache.batch_repeat_interleave(num_samples)
             ids, attn = ids.repeat_interleave(num_samples, 0), attn.repeat_interleave(num_samples, 0)
@@ -123,7 +126,7 @@ class HFEngine:
             pad_token_id=pad_id,
             logits_processor=[recorder],
             return_dict_in_generate=True,
-            **({"past_key_values": cache} if cache is not None else {}),
+            **({self._cache_kw: cache} if cache is not None else {}),
         )
         new = out.sequences[:, width:].cpu()  # [B*S, R]
         logp = recorder.finish(new)  # [B*S, R]

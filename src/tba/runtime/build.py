@@ -82,6 +82,8 @@ def build_trainer(cfg: Config, policy_path: str) -> tuple[Trainer, object]:
     model = load_causal_lm(policy_path, torch.float32, cfg.model.num_hidden_layers)
     compute = pick_dtype(cfg.model.dtype)
     t, lc = cfg.trainer, cfg.loss
+    if t.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     trainer = Trainer(model, tok.pad_token_id, loss_name=lc.name, loss_hp=LossHParams(clip_eps=lc.clip_eps, is_cap=lc.is_cap),
                       temperature=cfg.searcher.temperature, lr=t.lr, weight_decay=t.weight_decay,
                       grad_clip=t.grad_clip, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
