@@ -1,4 +1,4 @@
-"""Soak run (issue 6): a long async run with 2 searchers; memory per process must stay flat and the replay
+"""Soak run (issue 6): a long async run with 2 searchers (``--set searcher.num_searchers=N`` changes it); memory per process must stay flat and the replay
 buffer must never grow past its capacity.
 
 Runs ``tba train`` in a subprocess for ``--minutes``, samples the resident memory (RSS) of every process
@@ -110,8 +110,10 @@ def main() -> int:
     largest = max(r.get("buffer/largest_group", 0) for r in records)
     total_first = sum(first.values())
     total_last = sum(last.values())
+    n_searchers = sum(1 for key in last if key.startswith("SearcherActor"))
+    peak_total = max(sum(smp["rss"].values()) for smp in started)
     report = "\n".join([
-        f"Soak: {args.minutes:g} min, 2 searchers, {len(records)} trainer steps, "
+        f"Soak: {args.minutes:g} min, {n_searchers} searcher(s), {len(records)} trainer steps, "
         f"{int(records[-1]['buffer/samples_added'])} samples generated; memory sampled every {args.every:g} s "
         f"from the first trainer step ({started[0]['t']:.0f} s) to the end ({started[-1]['t']:.0f} s).",
         "",
@@ -119,7 +121,7 @@ def main() -> int:
         "change start->end | change half->end |",
         "|---|---|---|---|---|---|---|",
         *rows,
-        f"| all | {total_first:.0f} | {sum(half['rss'].values()):.0f} | {total_last:.0f} | | "
+        f"| all | {total_first:.0f} | {sum(half['rss'].values()):.0f} | {total_last:.0f} | {peak_total:.0f} | "
         f"{total_last / total_first - 1:+.1%} | {total_last / sum(half['rss'].values()) - 1:+.1%} |",
         "",
         f"Buffer: {args.prompts} prompts x capacity {args.capacity} = at most {args.prompts * args.capacity} samples; "

@@ -178,7 +178,8 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
 
 
 class Evaluator:
-    """One bf16 eval model in this process; ``__call__(state_dict)`` loads weights and runs the task's eval."""
+    """One bf16 eval model in this process; ``__call__(weights)`` loads weights (a state dict, or tba's
+    ``PackedWeights``) and runs the task's eval."""
 
     def __init__(self, cfg, policy_path: str, device: str, threads: int):
         from tba.engines.hf import HFEngine
@@ -192,8 +193,13 @@ class Evaluator:
         self.model = load_causal_lm(policy_path, self.dtype, cfg.model.num_hidden_layers).to(device)
         self.engine = HFEngine(self.model, self.tok)
 
-    def __call__(self, state_dict: dict | None = None) -> dict:
-        if state_dict is not None:
+    def __call__(self, state_dict=None) -> dict:
+        from tba.types import PackedWeights
+        from tba.weights import load_packed_weights
+
+        if isinstance(state_dict, PackedWeights):  # tba's published weights
+            load_packed_weights(self.model, state_dict)
+        elif state_dict is not None:
             state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
             self.model.load_state_dict(state_dict, strict=True)
         before = torch.get_num_threads()

@@ -165,6 +165,7 @@ class Trainer:
         :func:`tba.weights.pack_weights`; bf16 halves the bytes)."""
         return pack_weights(self.model, dtype)
 
+
 def _pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:
     out = torch.zeros((len(rows), width))
     for i, r in enumerate(rows):

@@ -107,8 +107,8 @@ class HFEngine:
 
             cache = DynamicCache(config=self.model.config)
             pos = (attn[:, :-1].cumsum(-1) - 1).clamp(min=0)
-            self.model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos, **{self._cache_kw: cache},
-                       use_cache=True, logits_to_keep=1)
+            self.model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos,
+                       use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
             cache.batch_repeat_interleave(num_samples)
             ids, attn = ids.repeat_interleave(num_samples, 0), attn.repeat_interleave(num_samples, 0)
         recorder = _TemperedLogprobs(temperature)
