@@ -128,7 +128,7 @@ class TrainerConfig(_Section):
     )
     gradient_checkpointing: bool = Field(
         False, description="Recompute layer activations in the backward pass (transformers' gradient "
-        "checkpointing): less trainer memory for about a third more compute per step."
+        "checkpointing): less activation memory for one extra forward pass per micro batch."
     )
     lr: float = Field(1e-5, gt=0, description="AdamW peak learning rate (paper GSM8K: 1e-5).")
     lr_schedule: Literal["wsd", "linear", "constant"] = Field(
