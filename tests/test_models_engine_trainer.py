@@ -6,7 +6,8 @@ import torch
 import pytest
 
 from tba.engines.hf import HFEngine
-from tba.models import ModelLoadError, pad_prompt_response, prepare_model, token_logprobs
+from tba.models import (ModelLoadError, enable_activation_checkpointing, pad_prompt_response, prepare_model,
+                        token_logprobs)
 from tba.tasks import build_task
 from tba.trainer import Trainer, linear_beta
 from tba.types import Batch, Sample
@@ -97,7 +98,7 @@ def test_micro_batched_step_equals_single_pass(model_path, tokenizer, loss_name)
         torch.manual_seed(0)
         model = load_causal_lm(model_path, torch.float32, 2)
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         batch = _batch(model, prompts)
         tr = Trainer(model, tokenizer.pad_token_id, loss_name=loss_name, micro_batch_size=mb, lr=1e-4,
                      grad_clip=1e9, lr_schedule="constant")

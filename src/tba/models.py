@@ -189,3 +189,14 @@ def token_logprobs(
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # [N, R]
     mask = resp_mask.to(logp.device)
     return logp * mask, mask
+
+
+def enable_activation_checkpointing(model) -> None:
+    """Recompute each layer's activations in the backward pass (transformers' gradient checkpointing,
+    non-reentrant): less activation memory for one extra forward pass per micro batch."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers 5 name; the old one warns
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+

@@ -12,7 +12,7 @@ import torch
 from tba.config import Config
 from tba.engines.hf import HFEngine
 from tba.losses import LossHParams
-from tba.models import load_causal_lm, load_tokenizer, pick_dtype
+from tba.models import enable_activation_checkpointing, load_causal_lm, load_tokenizer, pick_dtype
 from tba.searcher import Searcher
 from tba.tasks import Task, build_task
 from tba.trainer import Trainer
@@ -83,7 +83,7 @@ def build_trainer(cfg: Config, policy_path: str) -> tuple[Trainer, object]:
     compute = pick_dtype(cfg.model.dtype)
     t, lc = cfg.trainer, cfg.loss
     if t.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     trainer = Trainer(model, tok.pad_token_id, loss_name=lc.name, loss_hp=LossHParams(clip_eps=lc.clip_eps, is_cap=lc.is_cap),
                       temperature=cfg.searcher.temperature, lr=t.lr, weight_decay=t.weight_decay,
                       grad_clip=t.grad_clip, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps,
