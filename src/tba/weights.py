@@ -7,6 +7,7 @@ parameters once; the single numpy buffer is one object-store copy that Ray's rea
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -72,8 +73,6 @@ def load_packed_weights(model: torch.nn.Module, packed: PackedWeights) -> None:
 
 
 def _view(flat: torch.Tensor, dtype: str, shape: tuple, offset: int) -> torch.Tensor:
+    """The tensor stored at ``offset`` of the byte buffer ``flat`` (a view, no copy)."""
     dt = getattr(torch, dtype)
-    n = 1
-    for d in shape:
-        n *= d
-    return flat[offset : offset + n * dt.itemsize].view(dt).view(shape)
+    return flat[offset : offset + math.prod(shape) * dt.itemsize].view(dt).view(shape)
