@@ -1,5 +1,5 @@
-"""Soak run (issue 6): a long async run with 2 searchers (``--set searcher.num_searchers=N`` changes it); memory per process must stay flat and the replay
-buffer must never grow past its capacity.
+"""Soak run (issue 6): a long async run with 2 searchers (``--set searcher.num_searchers=N`` changes it);
+memory per process must stay flat and the replay buffer must never grow past its capacity.
 
 Runs ``tba train`` in a subprocess for ``--minutes``, samples the resident memory (RSS) of every process
 of the run (the driver, each Ray actor and daemon, found through an environment marker they inherit)

@@ -193,14 +193,14 @@ class Evaluator:
         self.model = load_causal_lm(policy_path, self.dtype, cfg.model.num_hidden_layers).to(device)
         self.engine = HFEngine(self.model, self.tok)
 
-    def __call__(self, state_dict=None) -> dict:
+    def __call__(self, weights=None) -> dict:
         from tba.types import PackedWeights
         from tba.weights import load_packed_weights
 
-        if isinstance(state_dict, PackedWeights):  # tba's published weights
-            load_packed_weights(self.model, state_dict)
-        elif state_dict is not None:
-            state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        if isinstance(weights, PackedWeights):  # tba's published weights
+            load_packed_weights(self.model, weights)
+        elif weights is not None:  # a TRL model's state dict
+            state_dict = {k.removeprefix("module."): v for k, v in weights.items()}
             self.model.load_state_dict(state_dict, strict=True)
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)

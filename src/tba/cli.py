@@ -139,7 +139,7 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
         "staleness_mean": state.staleness_sum / max(1, state.step),
         "staleness_max": state.staleness_max,
         "train_wall_s": train_s,
-        "trainer_idle_frac": 1.0 - state.train_s / state.loop_s if state.loop_s else None,
+        "trainer_idle_frac": state.trainer_idle_frac,
         "wall_s": time.monotonic() - t_start,
     })
     if (run_dir / "metrics.jsonl").stat().st_size:

@@ -226,6 +226,11 @@ class RunState:
     extra: dict = field(default_factory=dict)  # e.g. eval_before, carried across resumes
     last: dict = field(default_factory=dict)
 
+    @property
+    def trainer_idle_frac(self) -> float | None:
+        """Share of the training loop the trainer spent outside its steps (issue 4); None before a step."""
+        return max(0.0, 1.0 - self.train_s / self.loop_s) if self.loop_s > 0 else None
+
 
 class RayRuntime:
     """Starts the actors, runs the async (TBA) or sync (on-policy) loop, and always cleans up.
@@ -411,7 +416,7 @@ class RayRuntime:
         stats = ray.get(self.buffer.stats.remote())
         metrics = {**stats, **metrics, "searcher/restarts": float(st.searcher_restarts),
                    "perf/elapsed_s": time.monotonic() - self._t0,
-                   "perf/trainer_idle_frac": max(0.0, 1.0 - st.train_s / max(st.loop_s, 1e-9))}
+                   "perf/trainer_idle_frac": st.trainer_idle_frac}
         st.staleness_sum += metrics.get("buffer/staleness_mean", 0.0)
         st.staleness_max = max(st.staleness_max, metrics.get("buffer/staleness_max", 0.0))
         st.last = metrics
