@@ -64,6 +64,31 @@ def test_token_logprobs_independent_of_batch_padding(tiny_model):
     assert both[0, 2:].abs().sum() == 0 and mask[0].tolist() == [1, 1, 0, 0, 0]
 
 
+def test_shared_prompt_scoring_equals_row_by_row(tiny_model, tokenizer):
+    """Scoring a batch whose rows share prompts (one pass per distinct prompt, KV cache indexed out to its
+    responses) gives the log-probs and the parameter gradients of scoring every row alone (float32).
+    Rows of one prompt are not adjacent, prompts differ in length, one response has a single token."""
+    _, (a, b) = _prompts(tokenizer)
+    b = b[4:]
+    prompts = [a, a, b, a, b, a]
+    responses = [[20, 21, 22], [23], [24, 25, 26, 27], [30, 31], [32, 33, 34, 35, 36], [40, 41]]
+    weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))  # an arbitrary dLoss/dlogp
+    params = list(tiny_model.parameters())
+
+    shared, mask = token_logprobs(tiny_model, prompts, responses, 0.7, 0)
+    (shared * weights).sum().backward()
+    grad_shared = torch.cat([p.grad.flatten() for p in params])
+    tiny_model.zero_grad()
+    for i in range(6):  # one row per call: every prompt is distinct, so the full-sequence path runs
+        alone, _ = token_logprobs(tiny_model, prompts[i : i + 1], responses[i : i + 1], 0.7, 0)
+        assert torch.allclose(shared[i, : alone.shape[1]], alone[0], atol=1e-4)
+        (alone[0] * weights[i, : alone.shape[1]]).sum().backward()
+    grad_rows = torch.cat([p.grad.flatten() for p in params])
+    assert mask.sum(-1).tolist() == [len(r) for r in responses]
+    assert (shared * (1 - mask)).abs().sum() == 0
+    assert (grad_shared - grad_rows).norm() / grad_rows.norm() < 1e-5
+
+
 def test_pad_prompt_response_layout():
     ids, attn, rmask = pad_prompt_response([[1, 2], [3]], [[4], [5, 6, 7]], pad_id=0)
     assert ids.tolist() == [[1, 2, 4, 0, 0], [0, 3, 5, 6, 7]]
