@@ -11,20 +11,24 @@ b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf
    plain ``model.generate`` call, on the same bf16 model object, the same quickstart task prompts (chat
    template applied, ~54 tokens), the same batch (``--batch-sizes`` sequences = batch / K prompts x K
    samples per prompt, K = ``--samples-per-prompt``), ``--max-new-tokens`` and temperature 0.7 (sampling,
-   no top-k/top-p). For fairness every response is forced to the full length: the shared model's
-   ``generation_config.min_new_tokens`` is set to ``max_new_tokens`` (EOS is masked until then); tokens are
-   counted as the real tokens each call returns (up to and including EOS) in both cases, so an engine that
-   ignores ``generation_config`` is still counted correctly (the table then says the lengths were not
-   forced). The two are interleaved (engine, generate, engine, ...) and each reported number is the median
-   over ``--repeats`` timed calls after one warm-up call each. Fraction of peak = 2 x params x tokens/s /
-   bf16 peak (params = all parameters, tied embeddings once; only generated tokens are counted, prefill
-   FLOPs are not).
+   no top-k/top-p), in two regimes: **forced lengths**, every response forced to ``max_new_tokens`` (EOS
+   masked until then: ``min_new_tokens`` for the engine, ``generation_config.min_new_tokens`` for
+   ``generate``), which compares the decoding step alone; and **natural lengths** (EOS allowed), the
+   searchers' real workload, where the engine's dropping of finished responses counts. Tokens are the real
+   tokens each call returns (up to and including EOS) in both, so the table says when a forced length was
+   not honoured. The two are interleaved (engine, generate, engine, ...) and each reported number is the
+   median over ``--repeats`` timed calls after one warm-up call each. Fraction of peak = 2 x params x
+   tokens/s / bf16 peak (params = all parameters, tied embeddings once; only generated tokens are counted,
+   prefill FLOPs are not).
 c. **Trainer**: ``tba.trainer.Trainer.step`` on a quickstart-sized batch: B = 4 prompts x K = 8 responses,
    real quickstart prompts (~54 tokens) and ~16-token responses (random token ids, lengths 12-20; the
    compute does not depend on the content), float32 master weights under bf16 autocast (what
-   ``runtime/build.py`` builds), ``micro_batch_size`` 32. Trained tokens/s counts prompt + response tokens
-   (as ``perf/train_tokens_per_s`` does); MFU = 6 x params x tokens/s / bf16 peak. Median over
-   ``--train-steps`` steps after one warm-up step.
+   ``runtime/build.py`` builds), ``micro_batch_size`` 32; the same batch twice: as it comes (the K
+   responses of a prompt share one prompt pass, ``tba.models.token_logprobs``) and with 32 distinct prompts
+   of the same lengths (every row computed in full), side by side. Trained tokens/s counts prompt +
+   response tokens of every sample (as ``perf/train_tokens_per_s`` does); MFU = 6 x params x computed
+   tokens/s / bf16 peak, where computed tokens count each distinct prompt once (what the passes compute).
+   Median over ``--train-steps`` steps after one warm-up step.
 d. **Weight publication latency**: real Ray (``ray.init(address="local", num_cpus=2, ...)``, loopback, no
    dashboard). A "trainer" actor holds the float32 policy inside a real ``Trainer`` and publishes the way
    ``TrainerActor.publish`` does (``Trainer.publish_weights(generation dtype)``: one packed byte buffer, tied
@@ -148,74 +152,90 @@ def bench_generation(model, tok, prompts: list[list[int]], batch_sizes: list[int
 
     engine = HFEngine(model, tok)
     eos = set(engine.eos_ids)
-    model.generation_config.min_new_tokens = max_new  # forced length, for both (see the module docstring)
     pad_id = tok.pad_token_id
     rows = []
     for bs in batch_sizes:
-        n_prompts = max(1, bs // k)
-        kk = bs if bs < k else k
-        batch_prompts = [prompts[i % len(prompts)] for i in range(n_prompts)]
-        lengths = {"engine": [], "generate": []}
-
-        def run_engine():
-            out = engine.generate(batch_prompts, kk, max_new, temperature)
-            lengths["engine"].append([len(g.response_ids) for group in out for g in group])
-            return sum(len(g.response_ids) for group in out for g in group)
-
-        enc = tok.pad({"input_ids": batch_prompts}, padding=True, return_tensors="pt")  # left padding
-        ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-
-        @torch.no_grad()
-        def run_generate():
-            seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
-                                  top_k=None, top_p=None, max_new_tokens=max_new, num_return_sequences=kk,
-                                  pad_token_id=pad_id)
-            new = seqs[:, ids.shape[1]:].cpu().tolist()
-            lens = [_real_len(r, eos) for r in new]
-            lengths["generate"].append(lens)
-            return sum(lens)
-
-        run_engine(), run_generate()  # warm-up each
-        samples = {"engine": [], "generate": []}
-        first_peak = len(peak.samples)
-        for _ in range(repeats):
-            peak.sample()
-            for name, fn in (("engine", run_engine), ("generate", run_generate)):
-                _sync(device)
-                t0 = time.perf_counter()
-                n_tok = fn()
-                _sync(device)
-                samples[name].append(n_tok / (time.perf_counter() - t0))
-        row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new,
-               "peak_flops_per_s": peak.since(first_peak)}
-        for name in ("engine", "generate"):
-            tps = statistics.median(samples[name])
-            row[f"{name}_tokens_per_s"] = tps
-            row[f"{name}_all_tokens_per_s"] = samples[name]
-            row[f"{name}_frac_peak"] = 2 * params * tps / row["peak_flops_per_s"]
-            row[f"{name}_forced_length"] = all(x == max_new for lens in lengths[name] for x in lens)
-        row["speedup"] = row["engine_tokens_per_s"] / row["generate_tokens_per_s"]
-        rows.append(row)
-        print(f"  generation batch {row['batch']}: engine {row['engine_tokens_per_s']:.1f} tok/s, "
-              f"generate {row['generate_tokens_per_s']:.1f} tok/s, speed-up {row['speedup']:.2f}x", flush=True)
+        for forced in (True, False):
+            rows.append(_bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, forced,
+                                                temperature, repeats, device, params, peak))
     model.generation_config.min_new_tokens = None
     return rows
 
 
+def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, forced, temperature,
+                            repeats, device, params, peak) -> dict:
+    n_prompts = max(1, bs // k)
+    kk = bs if bs < k else k
+    batch_prompts = [prompts[i % len(prompts)] for i in range(n_prompts)]
+    lengths = {"engine": [], "generate": []}
+    min_new = max_new if forced else 0
+    model.generation_config.min_new_tokens = min_new or None
+
+    def run_engine():
+        out = engine.generate(batch_prompts, kk, max_new, temperature, min_new_tokens=min_new)
+        lengths["engine"].append([len(g.response_ids) for group in out for g in group])
+        return sum(len(g.response_ids) for group in out for g in group)
+
+    enc = tok.pad({"input_ids": batch_prompts}, padding=True, return_tensors="pt")  # left padding
+    ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+    @torch.no_grad()
+    def run_generate():
+        seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
+                              top_k=None, top_p=None, max_new_tokens=max_new, num_return_sequences=kk,
+                              pad_token_id=pad_id)
+        new = seqs[:, ids.shape[1]:].cpu().tolist()
+        lens = [_real_len(r, eos) for r in new]
+        lengths["generate"].append(lens)
+        return sum(lens)
+
+    run_engine(), run_generate()  # warm-up each
+    samples = {"engine": [], "generate": []}
+    first_peak = len(peak.samples)
+    for _ in range(repeats):
+        peak.sample()
+        for name, fn in (("engine", run_engine), ("generate", run_generate)):
+            _sync(device)
+            t0 = time.perf_counter()
+            n_tok = fn()
+            _sync(device)
+            samples[name].append(n_tok / (time.perf_counter() - t0))
+    row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new,
+           "forced": forced, "peak_flops_per_s": peak.since(first_peak)}
+    for name in ("engine", "generate"):
+        tps = statistics.median(samples[name])
+        row[f"{name}_tokens_per_s"] = tps
+        row[f"{name}_all_tokens_per_s"] = samples[name]
+        row[f"{name}_frac_peak"] = 2 * params * tps / row["peak_flops_per_s"]
+        row[f"{name}_forced_length"] = all(x == max_new for lens in lengths[name] for x in lens)
+        row[f"{name}_response_len_mean"] = statistics.fmean(x for lens in lengths[name][1:] for x in lens)
+    row["speedup"] = row["engine_tokens_per_s"] / row["generate_tokens_per_s"]
+    print(f"  generation batch {row['batch']} ({'forced' if forced else 'natural'} lengths): engine "
+          f"{row['engine_tokens_per_s']:.1f} tok/s, generate {row['generate_tokens_per_s']:.1f} tok/s, "
+          f"speed-up {row['speedup']:.2f}x", flush=True)
+    return row
+
+
 # -- c. trainer --------------------------------------------------------------------------------------
 
-def make_batch(prompts: list[list[int]], b: int, k: int, resp_len: int, vocab: int, eos_id: int, seed: int):
-    """A B x K batch of Samples: real prompts, random ~resp_len-token responses (+-4), random 0/1 rewards."""
+def make_batch(prompts: list[list[int]], b: int, k: int, resp_len: int, vocab: int, eos_id: int, seed: int,
+               distinct: bool = False):
+    """A B x K batch of Samples: real prompts, random ~resp_len-token responses (+-4), random 0/1 rewards.
+
+    ``distinct``: every response gets its own prompt (same length, first token changed), so the trainer
+    cannot share prompt passes; the same batch otherwise, for the shared-vs-full comparison."""
     from tba.types import Batch, Sample
 
     rng = random.Random(seed)
     samples = []
     for i in range(b):
-        for _ in range(k):
+        for j in range(k):
             n = max(1, resp_len + rng.randint(-4, 4))
             resp = [rng.randrange(1000, min(vocab, 40000)) for _ in range(n - 1)] + [eos_id]
-            samples.append(Sample(i, prompts[i % len(prompts)], resp, float(rng.random() < 0.4),
-                                  [-1.0] * n, [-1.0] * n, 0))
+            prompt = list(prompts[i % len(prompts)])
+            if distinct:
+                prompt[0] = 1000 + i * k + j
+            samples.append(Sample(i, prompt, resp, float(rng.random() < 0.4), [-1.0] * n, [-1.0] * n, 0))
     return Batch(samples, k)
 
 
@@ -232,30 +252,35 @@ def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int
                       lr_schedule="constant", total_steps=steps + 1, micro_batch_size=t.micro_batch_size,
                       beta_start=t.beta_start, beta_end=t.beta_end, beta_anneal_steps=t.beta_anneal_steps,
                       autocast_dtype=compute_dtype if compute_dtype != torch.float32 else None)
-    batch = make_batch(prompts, b, k, resp_len, model.config.vocab_size, tok.eos_token_id, seed=0)
-    n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
-    trainer.step(batch)  # warm-up
-    times, reported = [], []
-    first_peak = len(peak.samples)
-    for _ in range(steps):
-        peak.sample()
-        _sync(device)
-        t0 = time.perf_counter()
-        m = trainer.step(batch)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        reported.append(m["perf/train_tokens_per_s"])
-    step_s = statistics.median(times)
-    tps = n_tokens / step_s
-    res = {"batch": f"{b}x{k}", "tokens_per_step": n_tokens,
-           "prompt_len_mean": statistics.fmean(len(s.prompt_ids) for s in batch.samples),
-           "response_len_mean": statistics.fmean(len(s.response_ids) for s in batch.samples),
-           "micro_batch_size": t.micro_batch_size, "autocast": str(compute_dtype).replace("torch.", ""),
-           "step_s": step_s, "all_step_s": times, "tokens_per_s": tps,
-           "reported_tokens_per_s_median": statistics.median(reported), "params": params,
-           "peak_flops_per_s": peak.since(first_peak)}
-    res["mfu"] = 6 * params * tps / res["peak_flops_per_s"]
-    print(f"  trainer: {step_s:.3f} s/step, {tps:.0f} tok/s, MFU {res['mfu']:.3%}", flush=True)
+    res = {"batch": f"{b}x{k}", "micro_batch_size": t.micro_batch_size,
+           "autocast": str(compute_dtype).replace("torch.", ""), "params": params}
+    for name, distinct in (("shared", False), ("full", True)):
+        batch = make_batch(prompts, b, k, resp_len, model.config.vocab_size, tok.eos_token_id, seed=0,
+                           distinct=distinct)
+        n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
+        # what the forward/backward passes compute: each distinct prompt once, every response
+        computed = (sum(len(p) for p in {tuple(s.prompt_ids) for s in batch.samples})
+                    + sum(len(s.response_ids) for s in batch.samples))
+        trainer.step(batch)  # warm-up
+        times = []
+        first_peak = len(peak.samples)
+        for _ in range(steps):
+            peak.sample()
+            _sync(device)
+            t0 = time.perf_counter()
+            trainer.step(batch)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        step_s = statistics.median(times)
+        r = {"tokens_per_step": n_tokens, "computed_tokens_per_step": computed, "step_s": step_s,
+             "all_step_s": times, "tokens_per_s": n_tokens / step_s, "peak_flops_per_s": peak.since(first_peak),
+             "prompt_len_mean": statistics.fmean(len(s.prompt_ids) for s in batch.samples),
+             "response_len_mean": statistics.fmean(len(s.response_ids) for s in batch.samples)}
+        r["mfu"] = 6 * params * computed / step_s / r["peak_flops_per_s"]
+        res[name] = r
+        print(f"  trainer ({name} prompts): {step_s:.3f} s/step, {r['tokens_per_s']:.0f} tok/s, "
+              f"MFU {r['mfu']:.1%}", flush=True)
+    res["shared_speedup"] = res["full"]["step_s"] / res["shared"]["step_s"]
     del trainer, model
     return res
 
@@ -368,22 +393,34 @@ def format_report(r: dict) -> str:
                  f"{_si(max(pk['bf16']['all_flops_per_s']), '')}) | {_si(pk['bf16']['flops_per_s'], 'FLOP/s')} | |")
     lines.append(f"| matmul peak fp32 ({pk['fp32']['n']}^3) | {_si(pk['fp32']['flops_per_s'], 'FLOP/s')} | |")
     for g in r["generation"]:
-        forced = "" if g["engine_forced_length"] and g["generate_forced_length"] else " (lengths not forced)"
-        lines.append(f"| generation batch {g['batch']} ({g['prompts']}x{g['samples_per_prompt']}, "
-                     f"{g['max_new_tokens']} new tokens): engine / `model.generate` tok/s{forced} | "
+        if g["forced"]:
+            how = "every response forced to" if g["engine_forced_length"] and g["generate_forced_length"] \
+                else "LENGTHS NOT FORCED, up to"
+        else:
+            how = (f"natural lengths (EOS): mean {g['engine_response_len_mean']:.1f} / "
+                   f"{g['generate_response_len_mean']:.1f} of up to")
+        lines.append(f"| generation batch {g['batch']} ({g['prompts']}x{g['samples_per_prompt']}, {how} "
+                     f"{g['max_new_tokens']} new tokens): engine / `model.generate` tok/s | "
                      f"{g['engine_tokens_per_s']:.1f} / {g['generate_tokens_per_s']:.1f} | |")
-        lines.append(f"| **engine speed-up over `model.generate`, batch {g['batch']}** | **{g['speedup']:.2f}x** | "
+        lines.append(f"| **engine speed-up over `model.generate`, batch {g['batch']}, "
+                     f"{'forced' if g['forced'] else 'natural'} lengths** | **{g['speedup']:.2f}x** | "
                      f"{'>= 3x (batch 32+)' if g['batch'] >= 32 else ''} |")
         lines.append(f"| generation fraction of bf16 peak, batch {g['batch']}: engine / generate (peak sampled "
                      f"between the calls: {_si(g['peak_flops_per_s'], 'FLOP/s')}) | "
                      f"{g['engine_frac_peak']:.2%} / {g['generate_frac_peak']:.2%} | |")
     t = r.get("trainer")
     if t:
-        lines.append(f"| trainer step ({t['batch']}, {t['tokens_per_step']} tokens: prompts ~{t['prompt_len_mean']:.0f} "
-                     f"+ responses ~{t['response_len_mean']:.0f}, {t['autocast']} autocast) | {t['step_s']:.3f} s | |")
-        lines.append(f"| trainer tokens/s | {t['tokens_per_s']:.0f} | |")
-        lines.append(f"| **trainer MFU** (6 x params x tok/s / bf16 peak sampled between the steps: "
-                     f"{_si(t['peak_flops_per_s'], 'FLOP/s')}) | **{t['mfu']:.1%}** | >= 30% |")
+        sh, fu = t["shared"], t["full"]
+        lines.append(f"| trainer step ({t['batch']}, prompts ~{sh['prompt_len_mean']:.0f} + responses "
+                     f"~{sh['response_len_mean']:.0f} tokens, {t['autocast']} autocast): one pass per prompt / "
+                     f"every row in full | {sh['step_s']:.3f} / {fu['step_s']:.3f} s | |")
+        lines.append(f"| trainer speed-up from one pass per prompt | {t['shared_speedup']:.2f}x | |")
+        lines.append(f"| trained tokens/s (prompt + response of every sample, {sh['tokens_per_step']} per step) | "
+                     f"{sh['tokens_per_s']:.0f} | |")
+        lines.append(f"| **trainer MFU** (6 x params x computed tokens/s / bf16 peak sampled between the steps: "
+                     f"{_si(sh['peak_flops_per_s'], 'FLOP/s')}; computed: each prompt once, "
+                     f"{sh['computed_tokens_per_step']} per step) / same, every row in full | "
+                     f"**{sh['mfu']:.1%}** / {fu['mfu']:.1%} | >= 30% |")
     p = r.get("publish")
     if p:
         lines.append(f"| **weight publication latency** (trainer publish -> searcher loaded, {p['bytes'] / 2**20:.0f} MiB "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import pytest
 
-from tba.engines.hf import HFEngine
+from tba.engines.hf import HFEngine, sample_categorical
 from tba.models import (ModelLoadError, enable_activation_checkpointing, pad_prompt_response, prepare_model,
                         token_logprobs)
 from tba.tasks import build_task
@@ -51,6 +51,40 @@ def test_shared_prefill_equals_separate_prompts(tiny_model, tokenizer):
     for a, b in zip(flat_shared, flat_separate, strict=True):
         assert a.response_ids == b.response_ids
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+
+
+def test_finished_rows_leave_the_batch_exactly(tiny_model, tokenizer):
+    """Rows that hit EOS are dropped from the KV cache mid-batch; the rows still running decode exactly as
+    they do alone (greedy, float32), and each response stops at its first EOS, which it includes."""
+    _, prompts = _prompts(tokenizer, 4)
+    prompts = [p[: len(p) - cut] for p, cut in zip(prompts, (0, 3, 5, 9))]  # different contexts and lengths
+    engine = HFEngine(tiny_model, tokenizer)
+    engine.eos_ids = set()
+    free = [g[0].response_ids for g in engine.generate(prompts, 1, 12, greedy=True)]
+    # a token of the first greedy response becomes "EOS": rows end where they first emit it (or at 12)
+    stop = free[0][2]
+    engine.eos_ids = {stop}
+    batch = [g[0] for g in engine.generate(prompts, 1, 12, greedy=True)]
+    ends = []
+    for p, free_r, g in zip(prompts, free, batch, strict=True):
+        alone = engine.generate([p], 1, 12, greedy=True)[0][0]
+        assert g.response_ids == alone.response_ids
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+        end = free_r.index(stop) + 1 if stop in free_r else 12
+        assert g.response_ids == free_r[:end] and g.finished == (stop in free_r)
+        ends.append(end)
+    assert len(set(ends)) > 1  # the batch really lost rows at different steps
+
+
+def test_sample_categorical_frequencies():
+    """Inverse-CDF sampling draws each token with its probability (20,000 draws per row: binomial stderr
+    <= 0.0036, tolerance 0.015) and never a token of probability 0, wherever it sits in the vocabulary."""
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3], [0.0, 0.0, 0.0, 1.0], [0.25, 0.25, 0.25, 0.25], [0.0, 0.5, 0.5, 0.0]])
+    logp = probs.log().repeat_interleave(20_000, 0)  # [80000, 4]; log 0 = -inf
+    draws = sample_categorical(logp, torch.Generator().manual_seed(0)).view(4, 20_000)
+    freq = torch.stack([torch.bincount(row, minlength=4) for row in draws]).float() / 20_000
+    assert torch.all(freq[probs == 0] == 0)
+    assert (freq - probs).abs().max() < 0.015
 
 
 def test_token_logprobs_independent_of_batch_padding(tiny_model):

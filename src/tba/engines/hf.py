@@ -1,12 +1,13 @@
-"""Generation with transformers ``generate`` (CPU or GPU), batched over prompts x samples."""
+"""Generation from a transformers causal LM (CPU or GPU), batched over prompts x samples."""
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
-from transformers import LogitsProcessor
+from transformers import DynamicCache
 
 
 @dataclass
@@ -24,35 +25,17 @@ class Generation:
     finished: bool
 
 
-class _TemperedLogprobs(LogitsProcessor):
-    """Logits processor that applies the sampling temperature and records the behaviour log-probs.
-
-    ``generate`` calls it once per new token, before sampling, so the token chosen at step t is only
-    visible (as the last input id) at step t+1: the log-softmax of each step is kept until then. Only one
-    step of [B, vocab] is held at a time, instead of the [B, R, vocab] that ``output_logits`` keeps.
-    """
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.prev: torch.Tensor | None = None  # [B, V] log-probs of the step whose token is not yet known
-        self.logps: list[torch.Tensor] = []  # R x [B]
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        scores = scores.float() / self.temperature
-        if self.prev is not None:
-            self.logps.append(self.prev.gather(-1, input_ids[:, -1:]).squeeze(-1))
-        self.prev = torch.log_softmax(scores, dim=-1)
-        return scores
-
-    def finish(self, new_tokens: torch.Tensor) -> torch.Tensor:
-        """Per-token log-probs [B, R] of the generated tokens ``new_tokens`` [B, R]."""
-        if self.prev is not None and len(self.logps) < new_tokens.shape[1]:
-            self.logps.append(self.prev.gather(-1, new_tokens[:, -1:].to(self.prev.device)).squeeze(-1))
-        return torch.stack(self.logps, dim=1).cpu()
-
-
 class HFEngine:
-    """Samples responses with ``model.generate``; records behaviour log-probs from the step logits.
+    """Samples responses from a transformers causal LM with its own decoding loop; records behaviour log-probs.
+
+    Faster than ``model.generate`` for RL rollouts in two ways (issue 4), both exact:
+
+    - shared prefill: each prompt is run once and its KV cache copied to its K samples, instead of
+      prefilling every copy (on a 2-core CPU the prefill of 32 x ~55 prompt tokens costs about as much as
+      15 decoding steps);
+    - finished rows leave the batch: a response that emitted EOS is dropped from the KV cache, so the
+      decoding steps after it cost only the responses still running (``generate`` keeps decoding every
+      row until the longest is done). Quickstart responses average ~15 of up to 32 tokens.
 
     Args:
         model: a causal LM (eval mode), any dtype/device.
@@ -74,16 +57,20 @@ class HFEngine:
         max_new_tokens: int = 64,
         temperature: float = 0.7,
         greedy: bool = False,
+        min_new_tokens: int = 0,
     ) -> list[list[Generation]]:
         """Sample ``num_samples`` responses for each prompt in one batched call.
 
+        Tokens are drawn from softmax(logits / temperature) by :func:`sample_categorical` (no top-k/top-p),
+        so the recorded log-probs are those of the sampling distribution.
+
         Args:
             prompts: token ids per prompt (no padding), length B.
-            num_samples: responses per prompt; all K continue one prefill of their prompt (its KV cache is
-                copied K times), so prompt tokens are computed once per prompt, not once per sample.
+            num_samples: responses per prompt (K); all K continue one prefill of their prompt.
             max_new_tokens: length cap in tokens.
             temperature: softmax temperature; the returned log-probs use it too.
             greedy: argmax decoding (eval); log-probs are then of the temperature-scaled distribution.
+            min_new_tokens: EOS is not sampled before this many tokens (benchmarks force lengths with it).
 
         Returns:
             ``out[i][j]``: response j of prompt i.
@@ -97,48 +84,64 @@ class HFEngine:
             attn[i, width - len(p) :] = 1
         device = self.model.device
         ids, attn = ids.to(device), attn.to(device)
-        cache = None
-        if num_samples > 1 and width > 1:
-            # Shared prefill: run each prompt (all but its last token) once, then copy its KV cache to its K
-            # samples. ``num_return_sequences`` would prefill every prompt K times, and on a 2-core CPU the
-            # prefill of 32 x ~55 prompt tokens costs about as much as 15 decoding steps. Positions follow
-            # the attention mask (left padding), as ``generate`` computes them.
-            from transformers import DynamicCache
-
-            cache = DynamicCache(config=self.model.config)
-            pos = (attn[:, :-1].cumsum(-1) - 1).clamp(min=0)
-            self.model(input_ids=ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos,
-                       use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        cache = DynamicCache(config=self.model.config)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
+        logits = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True,
+                            logits_to_keep=1, **{self._cache_kw: cache}).logits[:, -1]  # [B, V]
+        if num_samples > 1:
             cache.batch_repeat_interleave(num_samples)
-            ids, attn = ids.repeat_interleave(num_samples, 0), attn.repeat_interleave(num_samples, 0)
-        recorder = _TemperedLogprobs(temperature)
-        # temperature=1.0 and no top-k/top-p: the recorder is the only processor, so the tokens are sampled
-        # from exactly the distribution whose log-probs it records
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=attn,
-            max_new_tokens=max_new_tokens,
-            do_sample=not greedy,
-            temperature=1.0,
-            top_p=None,
-            top_k=None,
-            num_return_sequences=1 if cache is not None else num_samples,
-            pad_token_id=pad_id,
-            logits_processor=[recorder],
-            return_dict_in_generate=True,
-            **({self._cache_kw: cache} if cache is not None else {}),
-        )
-        new = out.sequences[:, width:].cpu()  # [B*S, R]
-        logp = recorder.finish(new)  # [B*S, R]
+            logits, attn = logits.repeat_interleave(num_samples, 0), attn.repeat_interleave(num_samples, 0)
+        n = logits.shape[0]
+        tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long)
+        logps = torch.zeros((n, max_new_tokens))
+        length = torch.full((n,), max_new_tokens, dtype=torch.long)
+        finished = torch.zeros(n, dtype=torch.bool)
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        rows = torch.arange(n)  # batch row -> output row, for the rows still decoding
+        next_pos = attn.sum(-1)  # [n] position of the token about to be fed
+        for t in range(max_new_tokens):
+            logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [n_alive, V]
+            if t < min_new_tokens:
+                logp[:, eos] = -math.inf
+            tok = logp.argmax(-1) if greedy else sample_categorical(logp)
+            tokens[rows, t] = tok.cpu()
+            logps[rows, t] = logp.gather(-1, tok[:, None]).squeeze(-1).cpu()
+            done = torch.isin(tok, eos)
+            if done.any():
+                length[rows[done.cpu()]] = t + 1
+                finished[rows[done.cpu()]] = True
+                keep = (~done).nonzero().squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                # drop finished rows from the KV cache (one copy of it) rather than decode them to the end
+                cache.batch_select_indices(keep)
+                tok, attn, next_pos, rows = tok[keep], attn[keep], next_pos[keep], rows[keep.cpu()]
+            if t == max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=1)
+            logits = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                                use_cache=True, **{self._cache_kw: cache}).logits[:, -1]
+            next_pos = next_pos + 1
         results: list[list[Generation]] = [[] for _ in prompts]
-        for row in range(new.shape[0]):
-            tokens = new[row].tolist()
-            end = next((t + 1 for t, tok in enumerate(tokens) if tok in self.eos_ids), None)
-            length = end if end is not None else len(tokens)
+        for row in range(n):
+            m = int(length[row])
             results[row // num_samples].append(
-                Generation(tokens[:length], logp[row, :length].tolist(), finished=end is not None)
-            )
+                Generation(tokens[row, :m].tolist(), logps[row, :m].tolist(), finished=bool(finished[row])))
         return results
+
+
+def sample_categorical(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One index per row from the categorical distribution with log-probs ``logp`` [n, V] -> [n] (long).
+
+    Inverse-CDF sampling: a uniform u in (0, total] per row, then the first index whose cumulative
+    probability reaches u (``torch.searchsorted``). A token of probability 0 is never chosen (its interval
+    is empty). It needs n random numbers where ``torch.multinomial`` on CPU draws one exponential per
+    vocabulary entry: at batch 32 and a 49k vocabulary that was 23 ms of a ~95 ms decoding step. The
+    float32 cumulative sum moves the probability of each token by at most ~1e-7 x sqrt(V) in absolute terms.
+    """
+    cdf = logp.float().exp().cumsum(-1)  # [n, V]
+    u = 1.0 - torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device)  # (0, 1]
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
 
 
 def _as_list(x):
