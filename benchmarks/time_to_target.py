@@ -27,7 +27,8 @@ How time and accuracy are measured (identically for the three)
 - At the end of the first trainer step after every ``--eval-every-s`` seconds of training clock (and/or
   every ``--eval-every-steps`` steps), the clock is PAUSED, the current policy (tba: the trainer's published
   weights in the generation dtype; TRL: the trained model's weights cast to it) is loaded into one bf16 eval
-  model in the benchmark process, and greedy accuracy is measured with tba's own evaluation
+  model in a child process of the method's worker (never the training process: an eval inside TRL's process
+  slowed its next step by seconds), and greedy accuracy is measured with tba's own evaluation
   (``task.evaluate`` through ``HFEngine``; same problems, batch size, max new tokens and threads for all
   methods). During the eval in async mode the searcher processes are suspended (SIGSTOP / SIGCONT to this
   run's own ``ray::SearcherActor`` processes), so no method trains or generates while the clock is paused.
@@ -150,7 +151,8 @@ def _tree_rss_mib(by_name: dict[str, float] | None = None) -> float:
         total += rss
         if by_name is not None:
             name = "benchmark process" if proc.pid == me.pid else (
-                cmd[0].split(".")[0] if cmd and cmd[0].startswith("ray::") else Path(cmd[0]).name if cmd else "?")
+                cmd[0].split(".")[0] if cmd and cmd[0].startswith("ray::") else
+                "eval process" if "multiprocessing" in " ".join(cmd) else Path(cmd[0]).name if cmd else "?")
             by_name[name] = max(by_name.get(name, 0.0), rss / 2**20)
     return total / 2**20
 
@@ -214,10 +216,51 @@ class Evaluator:
                 "n": int(res.get("n", len(self.task.eval))), "eval_s": time.perf_counter() - t0}
 
 
+class ChildEvaluator:
+    """The :class:`Evaluator` in a spawned child process, for every method, so that no eval runs inside a
+    training process: TRL trains in the worker process itself, and an eval there (its allocations, thread
+    pool and oneDNN kernel cache) slowed TRL's next step by 3-7 s (16-20 s steps after an eval vs 13 s
+    without, measured with an eval every step). The call blocks, so nothing trains while it runs.
+    Weights travel as pickled tensors / tba's packed buffer (off the clock)."""
+
+    def __init__(self, cfg, policy_path: str, device: str, threads: int):
+        import concurrent.futures
+        import multiprocessing
+
+        from tba.models import pick_dtype
+
+        self.dtype = pick_dtype(cfg.model.dtype)
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"), initializer=_child_init,
+            initargs=(cfg.model_dump(), policy_path, device, threads))
+        self.pool.submit(int).result()  # start the child and load its model now, before any clock starts
+
+    def __call__(self, weights=None) -> dict:
+        return self.pool.submit(_child_eval, weights).result()
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+_CHILD_EVALUATOR: Evaluator | None = None
+
+
+def _child_init(cfg_dict: dict, policy_path: str, device: str, threads: int) -> None:
+    global _CHILD_EVALUATOR
+    from tba.config import Config
+
+    torch.set_num_threads(threads)
+    _CHILD_EVALUATOR = Evaluator(Config.model_validate(cfg_dict), policy_path, device, threads)
+
+
+def _child_eval(weights) -> dict:
+    return _CHILD_EVALUATOR(weights)
+
+
 class Tracker:
     """Decides when to evaluate and when to stop; records the curve."""
 
-    def __init__(self, args, target: float, evaluator: Evaluator, clock: Clock):
+    def __init__(self, args, target: float, evaluator, clock: Clock):
         self.args, self.target, self.evaluator, self.clock = args, target, evaluator, clock
         self.next_t = args.eval_every_s if args.eval_every_s else math.inf
         self.points: list[dict] = []
@@ -297,12 +340,12 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
     device = _device(args)
-    evaluator = Evaluator(cfg, policy_path, device, args.threads)
+    evaluator = ChildEvaluator(cfg, policy_path, device, args.threads)
     clock = Clock()
     tracker = Tracker(args, target, evaluator, clock)
     run_dir = Path(args.out) / "runs" / f"{method}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    last = {"step": 0, "samples": 0, "staleness": [], "idle": 0.0}
+    last = {"step": 0, "samples": 0, "staleness": [], "idle": 0.0, "train_step_s": []}
 
     with RayRuntime(cfg, policy_path, ref_path, run_dir) as rt:
         ray.get([a.__ray_ready__.remote() for a in rt.actors])  # every model loaded before the clock starts
@@ -316,6 +359,8 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
         def progress(step: int, m: dict) -> None:
             last["step"], last["samples"] = step, int(m.get("buffer/samples_added", 0))
             last["staleness"].append(m.get("buffer/staleness_mean", 0.0))
+            last["idle"] = m.get("perf/trainer_idle_frac", 0.0)
+            last["train_step_s"].append(m.get("perf/train_step_s", 0.0))
             if tracker.due(step) or step >= cfg.trainer.max_steps or clock.elapsed() >= args.budget_s:
                 tracker.record(step, last["samples"], state_dict, freeze)
             if tracker.should_stop():
@@ -333,6 +378,8 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
     return {"method": method, "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": last["step"],
             "samples": last["samples"], "points": tracker.points, "reached": tracker.reached,
             "staleness_mean": statistics.fmean(last["staleness"]) if last["staleness"] else 0.0,
+            "trainer_idle_frac": last["idle"],
+            "train_step_s_median": statistics.median(last["train_step_s"]) if last["train_step_s"] else 0.0,
             "driver_peak_rss_mib": _rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
             "rss_by_process_mib": tracker.rss_by_name,
             "frozen_searchers": [p.get("frozen_searchers") for p in tracker.points]}
@@ -353,7 +400,7 @@ def run_trl(args, seed: int, target: float) -> dict:
     torch.manual_seed(seed)
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     device = _device(args)
-    evaluator = Evaluator(cfg, policy_path, device, args.threads)
+    evaluator = ChildEvaluator(cfg, policy_path, device, args.threads)
     clock = Clock()
     tracker = Tracker(args, target, evaluator, clock)
     task = task_from_config(cfg)
@@ -478,6 +525,8 @@ def summarize(runs: list[dict], methods: list[str], budget_s: float) -> dict[str
             "setup_s": statistics.median([r["setup_s"] for r in rs]) if rs else None,
             "peak_rss_mib": max([r.get("tree_rss_max_mib", 0) or r.get("driver_peak_rss_mib", 0) for r in rs], default=None),
             "budget_s": budget_s,
+            "trainer_idle_frac": statistics.median([r["trainer_idle_frac"] for r in rs if "trainer_idle_frac" in r])
+            if any("trainer_idle_frac" in r for r in rs) else None,
             "errors": [r["error"] for r in runs if r.get("method") == m and "error" in r],
             "rss_by_process_mib": {k: max(r.get("rss_by_process_mib", {}).get(k, 0.0) for r in rs)
                                    for k in {k for r in rs for k in r.get("rss_by_process_mib", {})}},
@@ -514,6 +563,11 @@ def format_table(summary: dict, meta: dict) -> str:
                      f"{fmt(s['final_accuracy'], '{:.3f}')} | {fmt(s['steps'])} | {fmt(s['train_s'])} | "
                      f"{fmt(s['s_per_step'], '{:.2f}')} | {fmt(s['setup_s'])} | {fmt(s['peak_rss_mib'])} |")
     lines.append("")
+    for m, s in summary.items():
+        times = ", ".join("-" if t is None else f"{t:.0f}" for t in s["time_to_target_all_s"])
+        idle = "" if s.get("trainer_idle_frac") is None else \
+            f"; trainer idle {s['trainer_idle_frac']:.1%} of the training loop (median, perf/trainer_idle_frac)"
+        lines.append(f"- {LABELS[m]}: time to target per run (s, by seed; - = not reached): {times}{idle}")
     for m, s in summary.items():
         if s.get("rss_by_process_mib"):
             lines.append(f"- {LABELS[m]} max RSS per process (MiB, sampled at evals): " + ", ".join(
