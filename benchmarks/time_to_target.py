@@ -27,8 +27,7 @@ How time and accuracy are measured (identically for the three)
 - At the end of the first trainer step after every ``--eval-every-s`` seconds of training clock (and/or
   every ``--eval-every-steps`` steps), the clock is PAUSED, the current policy (tba: the trainer's published
   weights in the generation dtype; TRL: the trained model's weights cast to it) is loaded into one bf16 eval
-  model in a child process of the method's worker (never the training process: an eval inside TRL's process
-  slowed its next step by seconds), and greedy accuracy is measured with tba's own evaluation
+  model in a child process of the method's worker (never the training process), and greedy accuracy is measured with tba's own evaluation
   (``task.evaluate`` through ``HFEngine``; same problems, batch size, max new tokens and threads for all
   methods). During the eval in async mode the searcher processes are suspended (SIGSTOP / SIGCONT to this
   run's own ``ray::SearcherActor`` processes), so no method trains or generates while the clock is paused.
@@ -218,10 +217,9 @@ class Evaluator:
 
 class ChildEvaluator:
     """The :class:`Evaluator` in a spawned child process, for every method, so that no eval runs inside a
-    training process: TRL trains in the worker process itself, and an eval there (its allocations, thread
-    pool and oneDNN kernel cache) slowed TRL's next step by 3-7 s (16-20 s steps after an eval vs 13 s
-    without, measured with an eval every step). The call blocks, so nothing trains while it runs.
-    Weights travel as pickled tensors / tba's packed buffer (off the clock)."""
+    training process (TRL trains in the worker process itself): an eval's allocations, threads and kernel
+    caches then never share a process with training, for any method. The call blocks, so nothing trains
+    while it runs. Weights travel as pickled tensors / tba's packed buffer (off the clock)."""
 
     def __init__(self, cfg, policy_path: str, device: str, threads: int):
         import concurrent.futures

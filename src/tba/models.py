@@ -252,7 +252,6 @@ def enable_activation_checkpointing(model) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-
 def _checkpointing(model) -> bool:
     """Whether activation checkpointing is on (transformers 5 name, old name on 4.x)."""
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):

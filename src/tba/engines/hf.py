@@ -108,8 +108,8 @@ class HFEngine:
             logps[rows, t] = logp.gather(-1, tok[:, None]).squeeze(-1).cpu()
             done = torch.isin(tok, eos)
             if done.any():
-                length[rows[done.cpu()]] = t + 1
-                finished[rows[done.cpu()]] = True
+                ended = rows[done.cpu()]
+                length[ended], finished[ended] = t + 1, True
                 keep = (~done).nonzero().squeeze(-1)
                 if keep.numel() == 0:
                     break
