@@ -3,8 +3,8 @@ memory per process must stay flat and the replay buffer must never grow past its
 
 Runs ``tba train`` in a subprocess for ``--minutes``, samples the resident memory (RSS) of every process
 of the run (the driver, each Ray actor and daemon, found through an environment marker they inherit)
-every ``--every`` seconds, then stops the run with SIGINT (checkpoint + clean shutdown) and reports, per
-process: RSS when training started, at the end, and the peak; plus the buffer's size and its largest
+every ``--every`` seconds, then stops the run with SIGTERM (checkpoint + clean shutdown, like Ctrl-C; a
+SIGINT would be ignored where the soak itself was started in the background) and reports, per process: RSS when training started, at the end, and the peak; plus the buffer's size and its largest
 per-prompt group against the configured capacity. A small prompt set and capacity make the buffer reach
 capacity early, so eviction runs for most of the soak.
 
@@ -88,7 +88,7 @@ def main() -> int:
             samples.append({"t": time.monotonic() - t0, "trained": trained, "rss": rss})
             time.sleep(args.every)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=300)
 
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tba.logger import read_metrics
@@ -120,7 +121,10 @@ def test_bad_config_fails_before_loading(tmp_path):
     assert not (tmp_path / "x").exists() and time.monotonic() - t0 < 30
 
 
-def test_ctrl_c_stops_cleanly(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_cleanly(tmp_path, sig):
+    """Ctrl-C (SIGINT) and SIGTERM (what a scheduler or ``kill`` sends) both checkpoint, stop every actor
+    and exit 130; SIGTERM must survive the handler Ray installs when it starts."""
     out = tmp_path / "intr"
     marker = f"intr-{os.getpid()}-{time.time()}"
     p = subprocess.Popen([sys.executable, "-m", "tba.cli", "train", *TINY, "--max-steps", "500",
@@ -137,7 +141,7 @@ def test_ctrl_c_stops_cleanly(tmp_path):
     listening = [c.laddr for pid in _processes_with(marker) for c in _connections(psutil, pid)
                  if c.status == psutil.CONN_LISTEN]
     assert listening and all(a.ip in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for a in listening), listening
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     output, _ = p.communicate(timeout=120)
     assert p.returncode == 130, output[-2000:]
     assert "interrupted" in output

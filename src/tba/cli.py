@@ -104,6 +104,9 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
     summary: dict = {"run_dir": str(run_dir), "task": task.name, "mode": cfg.run.mode, "loss": cfg.loss.name}
     try:
         with RayRuntime(cfg, policy_path, ref_path, run_dir, on_metrics=logger.log) as rt:
+            # again now that Ray runs: ray.init installs its own SIGTERM handler, which exits at once
+            # (no checkpoint, actors left to the raylet)
+            signal.signal(signal.SIGTERM, _raise_interrupt)
             if resume_dir:
                 state = rt.resume()
                 summary.update(state.extra)
