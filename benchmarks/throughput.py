@@ -11,10 +11,14 @@ b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf
    plain ``model.generate`` call, on the same bf16 model object, the same quickstart task prompts (chat
    template applied, ~54 tokens), the same batch (``--batch-sizes`` sequences = batch / K prompts x K
    samples per prompt, K = ``--samples-per-prompt``), ``--max-new-tokens`` and temperature 0.7 (sampling,
-   no top-k/top-p), in two regimes: **forced lengths**, every response forced to ``max_new_tokens`` (EOS
+   no top-k/top-p), in three regimes: **forced lengths**, every response forced to ``max_new_tokens`` (EOS
    masked until then: ``min_new_tokens`` for the engine, ``generation_config.min_new_tokens`` for
-   ``generate``), which compares the decoding step alone; and **natural lengths** (EOS allowed), the
-   searchers' real workload, where the engine's dropping of finished responses counts. Tokens are the real
+   ``generate``), which compares the decoding step alone; **natural lengths** (EOS allowed), the
+   searchers' real workload, where the engine's dropping of finished responses counts; and **continuous
+   batching**: ``--refill-batches`` batches' worth of prompts, at most one batch of responses decoding at
+   once (the engine's ``max_num_seqs``: a prompt's K samples join as soon as K rows are free), against
+   ``generate`` called once per batch of those prompts (it cannot add rows to a running batch); this is
+   how the quickstart searcher generates (``searcher.max_num_seqs``). Tokens are the real
    tokens each call returns (up to and including EOS) in both, so the table says when a forced length was
    not honoured. The two are interleaved (engine, generate, engine, ...) and each reported number is the
    median over ``--repeats`` timed calls after one warm-up call each. Fraction of peak = 2 x params x
@@ -145,9 +149,10 @@ def _real_len(tokens: list[int], eos: set[int]) -> int:
 
 
 def bench_generation(model, tok, prompts: list[list[int]], batch_sizes: list[int], k: int, max_new: int,
-                     temperature: float, repeats: int, device: str, params: int, peak: PeakSampler) -> list[dict]:
-    """Engine vs plain ``model.generate`` per batch size, interleaved with bf16 peak samples; medians over
-    ``repeats``."""
+                     temperature: float, repeats: int, device: str, params: int, peak: PeakSampler,
+                     refill_batches: int) -> list[dict]:
+    """Engine vs plain ``model.generate`` per batch size and regime (forced, natural, continuous),
+    interleaved with bf16 peak samples; medians over ``repeats``."""
     from tba.engines.hf import HFEngine
 
     engine = HFEngine(model, tok)
@@ -155,37 +160,42 @@ def bench_generation(model, tok, prompts: list[list[int]], batch_sizes: list[int
     pad_id = tok.pad_token_id
     rows = []
     for bs in batch_sizes:
-        for forced in (True, False):
-            rows.append(_bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, forced,
-                                                temperature, repeats, device, params, peak))
+        for mode in ("forced", "natural", "continuous"):
+            rows.append(_bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, mode,
+                                                temperature, repeats, device, params, peak, refill_batches))
     model.generation_config.min_new_tokens = None
     return rows
 
 
-def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, forced, temperature,
-                            repeats, device, params, peak) -> dict:
+def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, mode, temperature,
+                            repeats, device, params, peak, refill_batches) -> dict:
     n_prompts = max(1, bs // k)
     kk = bs if bs < k else k
-    batch_prompts = [prompts[i % len(prompts)] for i in range(n_prompts)]
+    # continuous: refill_batches batches' worth of prompts, at most bs responses decoding at once; generate
+    # takes them a batch at a time (its batch cannot take new rows)
+    chunks = refill_batches if mode == "continuous" else 1
+    all_prompts = [prompts[i % len(prompts)] for i in range(n_prompts * chunks)]
     lengths = {"engine": [], "generate": []}
-    min_new = max_new if forced else 0
+    min_new = max_new if mode == "forced" else 0
     model.generation_config.min_new_tokens = min_new or None
 
     def run_engine():
-        out = engine.generate(batch_prompts, kk, max_new, temperature, min_new_tokens=min_new)
+        out = engine.generate(all_prompts, kk, max_new, temperature, min_new_tokens=min_new, max_num_seqs=bs)
         lengths["engine"].append([len(g.response_ids) for group in out for g in group])
         return sum(len(g.response_ids) for group in out for g in group)
 
-    enc = tok.pad({"input_ids": batch_prompts}, padding=True, return_tensors="pt")  # left padding
-    ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+    encoded = [tok.pad({"input_ids": all_prompts[c * n_prompts : (c + 1) * n_prompts]}, padding=True,
+                       return_tensors="pt") for c in range(chunks)]  # left padding
 
     @torch.no_grad()
     def run_generate():
-        seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
-                              top_k=None, top_p=None, max_new_tokens=max_new, num_return_sequences=kk,
-                              pad_token_id=pad_id)
-        new = seqs[:, ids.shape[1]:].cpu().tolist()
-        lens = [_real_len(r, eos) for r in new]
+        lens = []
+        for enc in encoded:
+            ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+            seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
+                                  top_k=None, top_p=None, max_new_tokens=max_new, num_return_sequences=kk,
+                                  pad_token_id=pad_id)
+            lens += [_real_len(r, eos) for r in seqs[:, ids.shape[1]:].cpu().tolist()]
         lengths["generate"].append(lens)
         return sum(lens)
 
@@ -201,7 +211,7 @@ def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max
             _sync(device)
             samples[name].append(n_tok / (time.perf_counter() - t0))
     row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new,
-           "forced": forced, "peak_flops_per_s": peak.since(first_peak)}
+           "mode": mode, "workload_prompts": len(all_prompts), "peak_flops_per_s": peak.since(first_peak)}
     for name in ("engine", "generate"):
         tps = statistics.median(samples[name])
         row[f"{name}_tokens_per_s"] = tps
@@ -210,7 +220,7 @@ def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max
         row[f"{name}_forced_length"] = all(x == max_new for lens in lengths[name] for x in lens)
         row[f"{name}_response_len_mean"] = statistics.fmean(x for lens in lengths[name][1:] for x in lens)
     row["speedup"] = row["engine_tokens_per_s"] / row["generate_tokens_per_s"]
-    print(f"  generation batch {row['batch']} ({'forced' if forced else 'natural'} lengths): engine "
+    print(f"  generation batch {row['batch']} ({mode}): engine "
           f"{row['engine_tokens_per_s']:.1f} tok/s, generate {row['generate_tokens_per_s']:.1f} tok/s, "
           f"speed-up {row['speedup']:.2f}x", flush=True)
     return row
@@ -393,17 +403,24 @@ def format_report(r: dict) -> str:
                  f"{_si(max(pk['bf16']['all_flops_per_s']), '')}) | {_si(pk['bf16']['flops_per_s'], 'FLOP/s')} | |")
     lines.append(f"| matmul peak fp32 ({pk['fp32']['n']}^3) | {_si(pk['fp32']['flops_per_s'], 'FLOP/s')} | |")
     for g in r["generation"]:
-        if g["forced"]:
+        if g["mode"] == "forced":
             how = "every response forced to" if g["engine_forced_length"] and g["generate_forced_length"] \
                 else "LENGTHS NOT FORCED, up to"
         else:
             how = (f"natural lengths (EOS): mean {g['engine_response_len_mean']:.1f} / "
                    f"{g['generate_response_len_mean']:.1f} of up to")
-        lines.append(f"| generation batch {g['batch']} ({g['prompts']}x{g['samples_per_prompt']}, {how} "
-                     f"{g['max_new_tokens']} new tokens): engine / `model.generate` tok/s | "
+        if g["mode"] == "continuous":
+            how = (f"{g['workload_prompts']} prompts x {g['samples_per_prompt']}, at most {g['batch']} decoding at "
+                   f"once (generate: {g['workload_prompts'] // g['prompts']} calls), {how}")
+        else:
+            how = f"{g['prompts']}x{g['samples_per_prompt']}, {how}"
+        lines.append(f"| generation batch {g['batch']} ({how} {g['max_new_tokens']} new tokens): "
+                     f"engine / `model.generate` tok/s | "
                      f"{g['engine_tokens_per_s']:.1f} / {g['generate_tokens_per_s']:.1f} | |")
+        regime = {"forced": "forced lengths", "natural": "natural lengths",
+                  "continuous": "natural lengths, continuous batching"}[g["mode"]]
         lines.append(f"| **engine speed-up over `model.generate`, batch {g['batch']}, "
-                     f"{'forced' if g['forced'] else 'natural'} lengths** | **{g['speedup']:.2f}x** | "
+                     f"{regime}** | **{g['speedup']:.2f}x** | "
                      f"{'>= 3x (batch 32+)' if g['batch'] >= 32 else ''} |")
         lines.append(f"| generation fraction of bf16 peak, batch {g['batch']}: engine / generate (peak sampled "
                      f"between the calls: {_si(g['peak_flops_per_s'], 'FLOP/s')}) | "
@@ -447,6 +464,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples-per-prompt", type=int, default=8, help="K responses per prompt in a generation batch")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the config's searcher.max_new_tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per generation setting")
+    p.add_argument("--refill-batches", type=int, default=4,
+                   help="continuous regime: prompts for this many batches, at most one batch decoding at once")
     p.add_argument("--train-steps", type=int, default=4, help="timed trainer steps")
     p.add_argument("--train-response-len", type=int, default=16)
     p.add_argument("--publish-repeats", type=int, default=5)
@@ -492,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     if "generation" not in args.skip:
         print(f"b. generation ({gen_dtype}, {max_new} new tokens, temperature {cfg.searcher.temperature})", flush=True)
         res["generation"] = bench_generation(model, tok, prompts, args.batch_sizes, args.samples_per_prompt, max_new,
-                                             cfg.searcher.temperature, args.repeats, device, params, peak)
+                                             cfg.searcher.temperature, args.repeats, device, params, peak,
+                                             args.refill_batches)
     else:
         res["generation"] = []
     del model

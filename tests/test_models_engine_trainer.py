@@ -20,12 +20,17 @@ def _prompts(tokenizer, n=2):
     return task, [task.encode(tokenizer, p) for p in task.train[:n]]
 
 
-def test_behaviour_logprobs_match_rescoring(tiny_model, tokenizer):
-    """The log-probs recorded during sampling equal a fresh forward pass over prompt+response."""
-    _, prompts = _prompts(tokenizer)
+@pytest.mark.parametrize("max_num_seqs", [None, 4])
+def test_behaviour_logprobs_match_rescoring(tiny_model, tokenizer, max_num_seqs):
+    """The log-probs recorded during sampling equal a fresh forward pass over prompt+response, also when
+    prompts join a running batch (max_num_seqs=4 with 3 samples per prompt: one prompt decodes at a time,
+    the next joins as soon as 3 rows are free)."""
+    _, prompts = _prompts(tokenizer, 3)
+    prompts[1] = prompts[1][4:]  # a shorter prompt joins a longer running context and vice versa
     torch.manual_seed(1)
-    gens = HFEngine(tiny_model, tokenizer).generate(prompts, num_samples=3, max_new_tokens=12, temperature=0.7)
-    assert [len(g) for g in gens] == [3, 3]
+    gens = HFEngine(tiny_model, tokenizer).generate(prompts, num_samples=3, max_new_tokens=12, temperature=0.7,
+                                                    max_num_seqs=max_num_seqs)
+    assert [len(g) for g in gens] == [3, 3, 3]
     flat_p = [p for p, grp in zip(prompts, gens) for _ in grp]
     flat_r = [g.response_ids for grp in gens for g in grp]
     with torch.no_grad():
@@ -74,6 +79,35 @@ def test_finished_rows_leave_the_batch_exactly(tiny_model, tokenizer):
         assert g.response_ids == free_r[:end] and g.finished == (stop in free_r)
         ends.append(end)
     assert len(set(ends)) > 1  # the batch really lost rows at different steps
+
+
+def test_refilled_rows_decode_as_alone(tiny_model, tokenizer):
+    """Continuous batching: with 2 rows at a time, each next prompt joins while the other row still runs
+    (its context left-padded to the running width, or the running rows padded to its); every response is
+    the one it gets decoding alone (greedy, float32), in the caller's order, also when a prompt's samples
+    join at different steps."""
+    _, prompts = _prompts(tokenizer, 5)
+    prompts = [p[: len(p) - cut] for p, cut in zip(prompts, (0, 6, 2, 9, 4))]
+    engine = HFEngine(tiny_model, tokenizer)
+    engine.eos_ids = set()
+    free = [g[0].response_ids for g in engine.generate(prompts, 1, 12, greedy=True)]
+    stop = free[0][2]
+    engine.eos_ids = {stop}
+    ends = [free_r.index(stop) + 1 if stop in free_r else 12 for free_r in free]
+    assert ends[0] != ends[1] and len(set(ends)) > 2  # rows really leave and join at different steps
+    refilled = [g[0] for g in engine.generate(prompts, 1, 12, greedy=True, max_num_seqs=2)]
+    for p, end, free_r, g in zip(prompts, ends, free, refilled, strict=True):
+        alone = engine.generate([p], 1, 12, greedy=True)[0][0]
+        assert g.response_ids == alone.response_ids == free_r[:end]
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(alone.logprobs), atol=1e-5)
+    # one row at a time, shortest prompt first: every next prompt is wider than what is left running
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    one = engine.generate([prompts[i] for i in order], 1, 12, greedy=True, max_num_seqs=1)
+    assert [g[0].response_ids for g in one] == [free[i][: ends[i]] for i in order]
+    # a prompt's 3 samples join over several steps, from its one prefill, 2 rows at a time
+    split = engine.generate(prompts[:3], 3, 12, greedy=True, max_num_seqs=2)
+    for grp, free_r, end in zip(split, free[:3], ends[:3], strict=True):
+        assert [g.response_ids for g in grp] == [free_r[:end]] * 3
 
 
 def test_sample_categorical_frequencies():

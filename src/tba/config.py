@@ -79,6 +79,10 @@ class SearcherConfig(_Section):
     samples_per_prompt: int = Field(
         8, ge=1, description="Responses sampled per prompt, S >= K (paper GSM8K: S = 1.2 K)."
     )
+    max_num_seqs: Optional[int] = Field(
+        None, ge=1, description="Responses a searcher decodes at once (vLLM's name); a finished response's row goes "
+        "to the batch's next waiting sample (continuous batching). None = the whole batch at once.",
+    )
     max_new_tokens: int = Field(64, ge=1, description="Response length cap in tokens.")
     temperature: float = Field(
         0.7, gt=0, description="Sampling temperature; also divides logits in every log-prob (paper: 0.7)."

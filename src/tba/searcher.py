@@ -33,6 +33,8 @@ class Searcher:
         prompts_per_batch: prompts per generation batch.
         samples_per_prompt: S responses per prompt.
         max_new_tokens: response cap, tokens.
+        max_num_seqs: responses decoding at once; a finished response's row goes to the batch's next
+            waiting sample (continuous batching, :meth:`HFEngine.generate`). None: all prompts x S at once.
         temperature: training temperature: reference log-probs use it (as does the trainer).
         temperature_range: if set, each batch samples at a temperature uniform in [low, high] (paper
             red-teaming); behaviour log-probs are then at that batch's temperature.
@@ -44,7 +46,9 @@ class Searcher:
 
     def __init__(self, engine, ref_model, task, tokenizer, problem_ids: list[int], searcher_id: int = 0, *,
                  prompts_per_batch: int = 4, samples_per_prompt: int = 8, max_new_tokens: int = 64,
-                 temperature: float = 0.7, temperature_range: tuple[float, float] | None = None, reward_timeout_s: float = 10.0, failed_reward: float | None = None,
+                 max_num_seqs: int | None = None, temperature: float = 0.7,
+                 temperature_range: tuple[float, float] | None = None, reward_timeout_s: float = 10.0,
+                 failed_reward: float | None = None,
                  score_micro_batch: int = 16, seed: int = 0):
         if not problem_ids:
             raise ValueError(f"searcher {searcher_id} has no prompts: more searchers than training prompts?")
@@ -52,7 +56,8 @@ class Searcher:
         self.searcher_id = searcher_id
         self.problem_ids = list(problem_ids)
         self.prompts_per_batch, self.samples_per_prompt = prompts_per_batch, samples_per_prompt
-        self.max_new_tokens, self.temperature, self.temperature_range = max_new_tokens, temperature, temperature_range
+        self.max_new_tokens, self.max_num_seqs = max_new_tokens, max_num_seqs
+        self.temperature, self.temperature_range = temperature, temperature_range
         self.reward_timeout_s, self.failed_reward = reward_timeout_s, failed_reward
         self.score_micro_batch = score_micro_batch
         self.version = 0
@@ -91,7 +96,8 @@ class Searcher:
         pids = self.next_prompts()
         prompts = [self._prompt_ids[i] for i in pids]
         temp = self._rng.uniform(*self.temperature_range) if self.temperature_range else self.temperature
-        gens = self.engine.generate(prompts, self.samples_per_prompt, self.max_new_tokens, temp)
+        gens = self.engine.generate(prompts, self.samples_per_prompt, self.max_new_tokens, temp,
+                                    max_num_seqs=self.max_num_seqs)
         t_gen = time.perf_counter() - t0
         flat = [(pid, prompt, g) for pid, prompt, group in zip(pids, prompts, gens) for g in group]
         ref = self._ref_logprobs([p for _, p, _ in flat], [g.response_ids for _, _, g in flat])

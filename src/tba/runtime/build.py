@@ -68,7 +68,7 @@ def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: in
     s = cfg.searcher
     return Searcher(HFEngine(policy, tok), ref, task, tok, shard(len(task.train), s.num_searchers, searcher_id),
                     searcher_id, prompts_per_batch=s.prompts_per_batch, samples_per_prompt=s.samples_per_prompt,
-                    max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                    max_new_tokens=s.max_new_tokens, max_num_seqs=s.max_num_seqs, temperature=s.temperature,
                     temperature_range=s.temperature_range,
                     reward_timeout_s=s.reward_timeout_s, failed_reward=s.failed_reward,
                     score_micro_batch=cfg.trainer.micro_batch_size, seed=cfg.run.seed)
