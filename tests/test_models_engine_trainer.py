@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 import pytest
 
@@ -232,17 +234,20 @@ def test_prepare_model_errors(tmp_path):
         prepare_model("pkg://no_such_package_xyz/model.gguf")
 
 
-def test_searcher_step_produces_scored_samples(tiny_model, model_path, tokenizer):
-    """A searcher batch: S samples per prompt, rewards from the task, ref log-probs per token, its version."""
+@pytest.mark.parametrize("max_num_seqs", [None, 4])
+def test_searcher_step_produces_scored_samples(tiny_model, model_path, tokenizer, max_num_seqs):
+    """A searcher batch: S samples per prompt, rewards from the task, ref log-probs per token, its version;
+    the same with 4 rows decoding at once (the second prompt's samples join as the first one's end)."""
     from tba.models import load_causal_lm
     from tba.searcher import Searcher
 
     task, _ = _prompts(tokenizer)
     ref = load_causal_lm(model_path, torch.float32, 2)
     s = Searcher(HFEngine(tiny_model, tokenizer), ref, task, tokenizer, [0, 2, 4], 1, prompts_per_batch=2,
-                 samples_per_prompt=3, max_new_tokens=8)
+                 samples_per_prompt=3, max_new_tokens=8, max_num_seqs=max_num_seqs)
     samples, metrics = s.step()
     assert len(samples) == 6 and {x.prompt_id for x in samples} <= {0, 2, 4}
+    assert sorted(Counter(x.prompt_id for x in samples).values()) == [3, 3]
     assert all(len(x.ref_logprobs) == len(x.response_ids) == len(x.logprobs) for x in samples)
     # policy == reference here, so sampled and reference log-probs agree
     assert all(abs(sum(x.logprobs) - x.ref_logprob) < 1e-2 for x in samples)
