@@ -106,6 +106,12 @@ def test_refilled_rows_decode_as_alone(tiny_model, tokenizer):
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     one = engine.generate([prompts[i] for i in order], 1, 12, greedy=True, max_num_seqs=1)
     assert [g[0].response_ids for g in one] == [free[i][: ends[i]] for i in order]
+    # a model whose cache cannot take rows of another width (sliding window) decodes a batch at a time
+    engine._mergeable = False
+    chunked = engine.generate(prompts, 1, 12, greedy=True, max_num_seqs=2)
+    assert [g[0].response_ids for g in chunked] == [f[:e] for f, e in zip(free, ends)]
+    engine._mergeable = True
+    assert engine.generate([], 3, 4) == [] and engine.generate([prompts[0]], 0, 4) == [[]]
     # a prompt's 3 samples join over several steps, from its one prefill, 2 rows at a time
     split = engine.generate(prompts[:3], 3, 12, greedy=True, max_num_seqs=2)
     for grp, free_r, end in zip(split, free[:3], ends[:3], strict=True):

@@ -94,6 +94,8 @@ class HFEngine:
         """
         k = num_samples
         n = len(prompts) * k
+        if n == 0:
+            return [[] for _ in prompts]
         max_num_seqs = min(max_num_seqs or n, n)
         if not self._mergeable and max_num_seqs < n:
             # a sliding-window cache cannot take a row of another width: one batch of prompts at a time
