@@ -4,8 +4,9 @@ memory per process must stay flat and the replay buffer must never grow past its
 Runs ``tba train`` in a subprocess for ``--minutes``, samples the resident memory (RSS) of every process
 of the run (the driver, each Ray actor and daemon, found through an environment marker they inherit)
 every ``--every`` seconds, then stops the run with SIGTERM (checkpoint + clean shutdown, like Ctrl-C; a
-SIGINT would be ignored where the soak itself was started in the background) and reports, per process: RSS when training started, at the end, and the peak; plus the buffer's size and its largest
-per-prompt group against the configured capacity. A small prompt set and capacity make the buffer reach
+SIGINT would be ignored where the soak itself was started in the background) and reports, per process:
+RSS when training started, at the end, and the peak; plus the buffer's size and its largest per-prompt
+group against the configured capacity. A small prompt set and capacity make the buffer reach
 capacity early, so eviction runs for most of the soak.
 
     python benchmarks/soak.py --minutes 20                       # the 20-minute soak

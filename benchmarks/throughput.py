@@ -16,9 +16,10 @@ b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf
    ``generate``), which compares the decoding step alone; **natural lengths** (EOS allowed), the
    searchers' real workload, where the engine's dropping of finished responses counts; and **continuous
    batching**: ``--refill-batches`` batches' worth of prompts, at most one batch of responses decoding at
-   once (the engine's ``max_num_seqs``: a prompt's K samples join as soon as K rows are free), against
-   ``generate`` called once per batch of those prompts (it cannot add rows to a running batch); this is
-   how the quickstart searcher generates (``searcher.max_num_seqs``). Tokens are the real
+   once (the engine's ``max_num_seqs``: the row of a response that ends goes to the next waiting sample),
+   against ``generate`` called once per batch of those prompts (it cannot add rows to a running batch);
+   this is how a searcher generates when ``searcher.prompts_per_batch`` x ``samples_per_prompt`` exceeds
+   ``searcher.max_num_seqs`` (the quickstart keeps one batch per call). Tokens are the real
    tokens each call returns (up to and including EOS) in both, so the table says when a forced length was
    not honoured. The two are interleaved (engine, generate, engine, ...) and each reported number is the
    median over ``--repeats`` timed calls after one warm-up call each. Fraction of peak = 2 x params x

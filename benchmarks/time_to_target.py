@@ -27,10 +27,11 @@ How time and accuracy are measured (identically for the three)
 - At the end of the first trainer step after every ``--eval-every-s`` seconds of training clock (and/or
   every ``--eval-every-steps`` steps), the clock is PAUSED, the current policy (tba: the trainer's published
   weights in the generation dtype; TRL: the trained model's weights cast to it) is loaded into one bf16 eval
-  model in a child process of the method's worker (never the training process), and greedy accuracy is measured with tba's own evaluation
-  (``task.evaluate`` through ``HFEngine``; same problems, batch size, max new tokens and threads for all
-  methods). During the eval in async mode the searcher processes are suspended (SIGSTOP / SIGCONT to this
-  run's own ``ray::SearcherActor`` processes), so no method trains or generates while the clock is paused.
+  model in a child process of the method's worker (never the training process), and greedy accuracy is
+  measured with tba's own evaluation (``task.evaluate`` through ``HFEngine``; same problems, batch size,
+  max new tokens and threads for all methods). During the eval in async mode the searcher processes are
+  suspended (SIGSTOP / SIGCONT to this run's own ``ray::SearcherActor`` processes), so no method trains or
+  generates while the clock is paused.
 - A method stops when its accuracy reaches the target (``--target``, default base accuracy +
   ``--target-delta`` 0.10; the base accuracy is measured once, before the methods, by the same evaluation),
   after ``--budget-s`` seconds of training clock, or at ``trainer.max_steps``; the last state is always

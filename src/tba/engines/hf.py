@@ -250,7 +250,7 @@ class _Waiting:
 
     def left(self) -> int:
         """Samples of the prefilled prompts not started."""
-        return self.k * len(self.started) - sum(self.started) if self.prefilled else 0
+        return self.k * len(self.started) - sum(self.started)
 
     def count(self) -> int:
         """All samples not started."""
