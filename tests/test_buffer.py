@@ -10,9 +10,15 @@ import math
 import pytest
 
 from tba.buffer import ReplayBuffer
+from tba.config import BufferConfig
 from tba.types import Sample
 
 _ids = itertools.count(1000)
+
+
+def make_buffer(seed: int = 0, **fields) -> ReplayBuffer:
+    """A buffer from a ``buffer`` config section with ``fields`` changed from the defaults."""
+    return ReplayBuffer(BufferConfig(**fields), seed)
 
 
 def mk(prompt_id: int, version: int, reward: float = 0.0, response_ids: list[int] | None = None) -> Sample:
@@ -30,18 +36,18 @@ def mk(prompt_id: int, version: int, reward: float = 0.0, response_ids: list[int
 
 
 def versions(buf: ReplayBuffer, prompt_id: int) -> list[int]:
-    return sorted(s.policy_version for s in buf._groups[prompt_id].entries.values())
+    return sorted(s.policy_version for s in buf.responses(prompt_id))
 
 
 # ---------------------------------------------------------------------- storage
 
 
 def test_dedup_keeps_newest_copy():
-    buf = ReplayBuffer(capacity_per_prompt=10)
+    buf = make_buffer(capacity_per_prompt=10)
     assert buf.add([mk(0, 1, response_ids=[7, 8, 9]), mk(0, 1, response_ids=[7, 8])]) == 2
     assert buf.add([mk(0, 3, reward=1.0, response_ids=[7, 8, 9])]) == 1
     assert len(buf) == 2 and buf.num_prompts == 1
-    copies = [s for s in buf._groups[0].entries.values() if s.response_ids == [7, 8, 9]]
+    copies = [s for s in buf.responses(0) if s.response_ids == [7, 8, 9]]
     assert len(copies) == 1
     assert copies[0].policy_version == 3 and copies[0].reward == 1.0
     # the same response to a different prompt is a different sample
@@ -50,7 +56,7 @@ def test_dedup_keeps_newest_copy():
 
 
 def test_eviction_oldest_version_first_ties_by_insertion():
-    buf = ReplayBuffer(capacity_per_prompt=3)
+    buf = make_buffer(capacity_per_prompt=3)
     for v in (5, 1, 3):
         buf.add([mk(0, v)])
     assert buf.add([mk(0, 2)]) == 1
@@ -60,15 +66,15 @@ def test_eviction_oldest_version_first_ties_by_insertion():
     assert buf.add([mk(0, 0)]) == 0  # older than everything stored: evicted at once
     assert versions(buf, 0) == [3, 4, 5] and len(buf) == 3
     # ties on version: the earliest inserted goes first
-    buf = ReplayBuffer(capacity_per_prompt=2)
+    buf = make_buffer(capacity_per_prompt=2)
     a, b, c = mk(0, 1), mk(0, 1), mk(0, 1)
     buf.add([a, b, c])
-    kept = [s.response_ids for s in buf._groups[0].entries.values()]
+    kept = [s.response_ids for s in buf.responses(0)]
     assert kept == [b.response_ids, c.response_ids]
 
 
 def test_len_num_prompts_stats():
-    buf = ReplayBuffer()
+    buf = make_buffer()
     assert len(buf) == 0 and buf.num_prompts == 0
     assert "buffer/version_min" not in buf.stats()
     buf.add([mk(0, 2), mk(0, 4), mk(3, 6)])
@@ -83,7 +89,7 @@ def test_len_num_prompts_stats():
 
 
 def test_on_policy_draws_only_newest_sync_recent_set():
-    buf = ReplayBuffer(on_policy_prob=1.0, seed=3)
+    buf = make_buffer(on_policy_prob=1.0, seed=3)
     buf.add([mk(p, 0) for p in range(5) for _ in range(3)])
     assert buf.sync(min_version=0) == 5
     buf.add([mk(p, 1) for p in (5, 6) for _ in range(3)])
@@ -100,7 +106,7 @@ def test_on_policy_draws_only_newest_sync_recent_set():
 
 
 def test_sync_keeps_previous_recent_set_when_nothing_fresh():
-    buf = ReplayBuffer(on_policy_prob=1.0)
+    buf = make_buffer(on_policy_prob=1.0)
     buf.add([mk(0, 4), mk(0, 4)])
     assert buf.sync(min_version=4) == 1
     buf.add([mk(1, 2), mk(1, 2)])  # only stale samples arrive
@@ -109,7 +115,7 @@ def test_sync_keeps_previous_recent_set_when_nothing_fresh():
 
 
 def test_recent_draw_is_newest_first():
-    buf = ReplayBuffer(on_policy_prob=1.0)
+    buf = make_buffer(on_policy_prob=1.0)
     buf.add([mk(0, v) for v in (3, 5, 4, 9)])
     buf.sync(min_version=3)
     buf.add([mk(0, 10)])  # pending, not recent
@@ -121,7 +127,7 @@ def test_recent_draw_is_newest_first():
 
 def test_fewer_than_k_samples_uses_replacement():
     # off-policy branch: K=4 from 2 samples
-    buf = ReplayBuffer(on_policy_prob=0.0, seed=1)
+    buf = make_buffer(on_policy_prob=0.0, seed=1)
     a, b = mk(0, 1), mk(0, 1)
     buf.add([a, b])
     seen = set()
@@ -133,7 +139,7 @@ def test_fewer_than_k_samples_uses_replacement():
         seen.update(ids)
     assert len(seen) == 2
     # on-policy branch: both recent samples first (newest first), the remaining 2 drawn from them
-    buf = ReplayBuffer(on_policy_prob=1.0, seed=1)
+    buf = make_buffer(on_policy_prob=1.0, seed=1)
     a, b = mk(0, 1), mk(0, 2)
     buf.add([a, b])
     buf.sync(min_version=0)
@@ -145,7 +151,7 @@ def test_fewer_than_k_samples_uses_replacement():
 
 
 def _frequencies(inv_temp: float, draws: int = 4000) -> list[float]:
-    buf = ReplayBuffer(on_policy_prob=0.0, inv_temp=inv_temp, seed=0)
+    buf = make_buffer(on_policy_prob=0.0, inv_temp=inv_temp, seed=0)
     samples = [mk(0, 0, reward=r, response_ids=[i]) for i, r in enumerate([0.0, 0.0, 1.0, 1.0])]
     buf.add(samples)
     counts = collections.Counter()
@@ -172,7 +178,7 @@ def test_off_policy_inv_temp_one_matches_softmax_of_rewards():
 
 @pytest.mark.parametrize("inv_temp", [0.0, 5.0])
 def test_off_policy_without_replacement_when_enough_samples(inv_temp: float):
-    buf = ReplayBuffer(on_policy_prob=0.0, inv_temp=inv_temp, seed=2)
+    buf = make_buffer(on_policy_prob=0.0, inv_temp=inv_temp, seed=2)
     buf.add([mk(0, 0, reward=r) for r in (0.0, 0.0, 1.0, 3.0)])
     for step in range(20):
         ids = [tuple(s.response_ids) for s in buf.sample(1, 4, step=step).samples]
@@ -180,7 +186,7 @@ def test_off_policy_without_replacement_when_enough_samples(inv_temp: float):
 
 
 def test_off_policy_epoch_over_prompts_without_replacement():
-    buf = ReplayBuffer(on_policy_prob=0.0, seed=4)
+    buf = make_buffer(on_policy_prob=0.0, seed=4)
     buf.add([mk(p, 0) for p in range(5) for _ in range(2)])
     for step in range(3):
         batch = buf.sample(5, 2, step=step)
@@ -197,7 +203,7 @@ def test_off_policy_epoch_over_prompts_without_replacement():
 
 
 def test_empty_recent_set_falls_back_to_all_prompts():
-    buf = ReplayBuffer(on_policy_prob=1.0)
+    buf = make_buffer(on_policy_prob=1.0)
     buf.add([mk(0, 0), mk(1, 0)])  # no sync yet
     batch = buf.sample(2, 1, step=0)
     assert batch.metrics["buffer/on_policy_frac"] == 0.0
@@ -210,7 +216,7 @@ def test_empty_recent_set_falls_back_to_all_prompts():
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_staleness_bound_2k_minus_1(k: int):
     """Searcher lag up to k-1 steps plus an old straggler; recent draws stay <= 2k-1 stale."""
-    buf = ReplayBuffer(on_policy_prob=1.0, seed=k)
+    buf = make_buffer(on_policy_prob=1.0, seed=k)
     buf.add([mk(p, 0) for p in range(6) for _ in range(3)])  # initial fill with version 0
     arrivals: dict[int, list[Sample]] = collections.defaultdict(list)
     straggler_step = 3 * k + 1
@@ -237,7 +243,7 @@ def test_staleness_bound_2k_minus_1(k: int):
         arrivals[t + lag] += [mk(t % 6, published) for _ in range(3)]
     assert worst <= 2 * k - 1
     assert worst == 2 * k - 1  # the bound is tight in this loop
-    assert stale_prompt in buf._groups  # the straggler did arrive; it was just never drawn as recent
+    assert buf.responses(stale_prompt)  # the straggler did arrive; it was just never drawn as recent
 
 
 # ---------------------------------------------------------------------- checkpointing
@@ -245,7 +251,7 @@ def test_staleness_bound_2k_minus_1(k: int):
 
 def test_state_dict_round_trip_reproduces_future_batches():
     def build() -> ReplayBuffer:
-        buf = ReplayBuffer(capacity_per_prompt=4, on_policy_prob=0.5, inv_temp=1.0, seed=11)
+        buf = make_buffer(capacity_per_prompt=4, on_policy_prob=0.5, inv_temp=1.0, seed=11)
         buf.add([mk(p, v, reward=float((p + v) % 3), response_ids=[p, v, j])
                  for p in range(6) for v in range(3) for j in range(2)])
         buf.sync(min_version=1)
@@ -256,7 +262,7 @@ def test_state_dict_round_trip_reproduces_future_batches():
 
     original = build()
     state = json.loads(json.dumps(original.state_dict()))
-    copy = ReplayBuffer(capacity_per_prompt=4, on_policy_prob=0.5, inv_temp=1.0, seed=999)
+    copy = make_buffer(capacity_per_prompt=4, on_policy_prob=0.5, inv_temp=1.0, seed=999)
     copy.load_state_dict(state)
     assert len(copy) == len(original) and copy.stats() == original.stats()
 
@@ -275,11 +281,11 @@ def test_state_dict_round_trip_reproduces_future_batches():
 
 def test_load_state_dict_rejects_bad_state():
     with pytest.raises(ValueError, match="format"):
-        ReplayBuffer().load_state_dict({"format": 42})
-    state = ReplayBuffer().state_dict()
+        make_buffer().load_state_dict({"format": 42})
+    state = make_buffer().state_dict()
     del state["rng"]
     with pytest.raises(ValueError, match="rng"):
-        ReplayBuffer().load_state_dict(state)
+        make_buffer().load_state_dict(state)
 
 
 # ---------------------------------------------------------------------- argument checks
@@ -297,11 +303,11 @@ def test_load_state_dict_rejects_bad_state():
 )
 def test_bad_constructor_args_raise(kwargs, field):
     with pytest.raises(ValueError, match=field):
-        ReplayBuffer(**kwargs)
+        BufferConfig(**kwargs)
 
 
 def test_bad_sample_args_raise():
-    buf = ReplayBuffer()
+    buf = make_buffer()
     with pytest.raises(ValueError, match="empty"):
         buf.sample(1, 1, step=0)
     buf.add([mk(0, 0)])

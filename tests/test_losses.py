@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
+from tba.config import LossConfig
 from tba.losses import (
     LOSSES,
-    LossHParams,
     LossInputs,
     dr_grpo,
     grpo,
@@ -70,21 +70,21 @@ def test_tb_hand_values_and_padding_ignored():
     # log Z = mean = 1.0; resid = logZ + s - target = [1 - 3 + 0.5, 1 - 0.5 + 1] = [-1.5, 1.5]
     # loss = (2.25 + 2.25) / 2 = 2.25; kl_mean = mean(s - rho) = mean(-0.5, 0.5) = 0
     inp = _tb_batch(0.5, PAD)
-    loss, m = trajectory_balance(inp, LossHParams())
+    loss, m = trajectory_balance(inp, LossConfig())
     assert close(loss, 2.25)
     assert m["loss/tb"] == pytest.approx(2.25) and m["loss/log_z_mean"] == pytest.approx(1.0)
     assert m["loss/kl_mean"] == pytest.approx(0.0)
     # d loss / d s_j = 2/(B*K) * resid_j = [-1.5, 1.5], on every real token; padding gets nothing
     assert close(grad(loss, inp), [[-1.5, -1.5], [1.5, 0.0]])
     # a different padded value changes nothing
-    loss_other_pad, _ = trajectory_balance(_tb_batch(0.5, -3.0), LossHParams())
+    loss_other_pad, _ = trajectory_balance(_tb_batch(0.5, -3.0), LossConfig())
     assert close(loss_other_pad, 2.25)
 
 
 def test_tb_applies_the_current_beta():
     # beta = 1: r/beta = [1, 0]; target = [-1.5, -1]; target - s = [1.5, -0.5]; log Z = 0.5
     # resid = [0.5 - 3 + 1.5, 0.5 - 0.5 + 1] = [-1, 1]; loss = 1  (2.25 at beta = 0.5, same raw rewards)
-    loss, m = trajectory_balance(_tb_batch(1.0, PAD), LossHParams())
+    loss, m = trajectory_balance(_tb_batch(1.0, PAD), LossConfig())
     assert close(loss, 1.0) and m["loss/log_z_mean"] == pytest.approx(0.5)
 
 
@@ -114,7 +114,7 @@ def test_tb_gradient_is_kl_regularised_reinforce_with_mean_baseline():
     #   grad TB = (2/beta) * grad REINFORCE: same direction, positive factor.
     beta, k, b = 0.25, 3, 2
     s, inp = _identity_batch(k, beta)
-    loss, _ = trajectory_balance(inp, LossHParams())
+    loss, _ = trajectory_balance(inp, LossConfig())
     (g_tb,) = torch.autograd.grad(loss, s)
 
     rho = (inp.ref_logp * inp.mask).sum(-1)  # [N]
@@ -136,9 +136,9 @@ def test_rloo_gradient_is_proportional_to_tb_on_the_same_batch(k):
     #   => grad TB = 2(K-1)/(beta*K) * grad rloo  (K=2: 1/beta; K=3: 4/(3 beta)); cosine similarity 1.
     beta = 0.5
     s, inp = _identity_batch(k, beta)
-    (g_tb,) = torch.autograd.grad(trajectory_balance(inp, LossHParams())[0], s)
+    (g_tb,) = torch.autograd.grad(trajectory_balance(inp, LossConfig())[0], s)
     s, inp = _identity_batch(k, beta)
-    (g_rloo,) = torch.autograd.grad(rloo(inp, LossHParams())[0], s)
+    (g_rloo,) = torch.autograd.grad(rloo(inp, LossConfig())[0], s)
     assert torch.nn.functional.cosine_similarity(g_tb, g_rloo, dim=0) > 0.999
     assert torch.allclose(g_tb, 2 * (k - 1) / (beta * k) * g_rloo)
 
@@ -158,7 +158,7 @@ def test_rloo_hand_values():
     # loss = -mean(A*s) = -((-0.25)(-2) + (-1)(-2) + (1.25)(-1))/3 = -(0.5 + 2 - 1.25)/3 = -1.25/3
     # d loss/d token = -A_j/3 on real tokens: [1/12, 1/12], [1/3, 0], [-5/12, -5/12]
     inp = _rloo_batch(0.5)
-    loss, m = rloo(inp, LossHParams())
+    loss, m = rloo(inp, LossConfig())
     assert close(loss, -1.25 / 3)
     assert close(grad(loss, inp), [[1 / 12, 1 / 12], [1 / 3, 0.0], [-5 / 12, -5 / 12]])
     assert m["loss/rloo"] == pytest.approx(-1.25 / 3)
@@ -170,7 +170,7 @@ def test_rloo_hand_values():
 def test_rloo_kl_penalty_uses_beta():
     # beta = 0: r' = r = [1, 0, 2]; A = [1 - 1, 0 - 1.5, 2 - 0.5] = [0, -1.5, 1.5]
     # loss = -(0 + 3 - 1.5)/3 = -0.5   (vs -1.25/3 with beta = 0.5)
-    loss, _ = rloo(_rloo_batch(0.0), LossHParams())
+    loss, _ = rloo(_rloo_batch(0.0), LossConfig())
     assert close(loss, -0.5)
 
 
@@ -186,7 +186,7 @@ def _grpo_batch(reward, padded: bool, beta: float = 0.0) -> LossInputs:
     return make(logp, logp, mask, reward, 3, beta, ratios=ratios)
 
 
-HP_EXACT = LossHParams(clip_eps=0.2, std_eps=1e-12)  # std_eps ~ 0 so hand values are exact
+HP_EXACT = LossConfig(clip_eps=0.2, std_eps=1e-12)  # std_eps ~ 0 so hand values are exact
 
 
 def test_grpo_hand_values_and_clipped_token_has_no_gradient():
@@ -218,14 +218,14 @@ def test_grpo_k3_kl_term_and_tied_group_has_zero_advantage():
     logp = [[-1.0, -1.0], [-1.0, PAD]]
     ref = [[-1.0, -1.0 + LN2], [-1.0 + LN2, -PAD]]
     inp = make(logp, ref, [[1, 1], [1, 0]], [1.0, 1.0], 2, 0.5)
-    loss, m = grpo(inp, LossHParams())
+    loss, m = grpo(inp, LossConfig())
     assert close(loss, 0.375 * (1 - LN2))
     assert close(grad(loss, inp), [[0.0, -0.125], [-0.25, 0.0]])
     assert m["loss/advantage_abs_mean"] == 0.0
     assert m["loss/kl_k3_mean"] == pytest.approx(2 * (1 - LN2) / 3)  # over 3 real tokens
     # dr_grpo: same k3 tokens, summed and divided by N*T = 4: 0.5 * 2(1 - ln2)/4 = 0.25 (1 - ln2)
     inp = make(logp, ref, [[1, 1], [1, 0]], [1.0, 1.0], 2, 0.5)
-    loss, _ = dr_grpo(inp, LossHParams())
+    loss, _ = dr_grpo(inp, LossConfig())
     assert close(loss, 0.25 * (1 - LN2))
     assert close(grad(loss, inp), [[0.0, -0.125], [-0.125, 0.0]])  # 0.5 * -1/4 on both
 
@@ -271,7 +271,7 @@ def test_ppo_clip_clipped_surrogate_hand_values():
     # loss = -(3.3 - 1.35)/N=2 = -0.975
     # grads -ratio*A/2: resp0 t0 = 0 (clipped), t1 = -0.75; resp1 t0 = 0.9*1.5/2 = 0.675
     inp = _ppo_batch()
-    loss, m = ppo_clip(inp, LossHParams(clip_eps=0.2))
+    loss, m = ppo_clip(inp, LossConfig(clip_eps=0.2))
     assert close(loss, -0.975)
     assert close(grad(loss, inp), [[0.0, -0.75], [0.675, 0.0]])
     assert m["loss/clip_frac"] == pytest.approx(1 / 3)
@@ -284,7 +284,7 @@ def test_ppo_clip_truncated_importance_weight_hand_values():
     # resp0: 1.2*1.5*(-1) + 1*1.5*(-1) = -3.3; resp1: 0.9*(-1.5)*(-1) = 1.35; loss = -(-3.3 + 1.35)/2 = 0.975
     # grads -w*A/2: resp0 t0 = -1.2*1.5/2 = -0.9 (capped, NOT zero as with clipping), t1 = -0.75; resp1 0.675
     inp = _ppo_batch()
-    loss, m = ppo_clip(inp, LossHParams(is_cap=1.2))
+    loss, m = ppo_clip(inp, LossConfig(is_cap=1.2))
     assert close(loss, 0.975)
     assert close(grad(loss, inp), [[-0.9, -0.75], [0.675, 0.0]])
     assert m["loss/clip_frac"] == pytest.approx(1 / 3)  # ratio 1.5 > cap
@@ -296,9 +296,9 @@ def test_ppo_clip_on_policy_has_the_rloo_gradient(is_cap):
     # per response and averaged over N, as rloo's -mean(A * s).
     _, inp = _identity_batch(3, 0.5)
     inp1 = dataclasses.replace(inp, logp=inp.logp.detach().clone().requires_grad_(True))
-    g_ppo = grad(ppo_clip(inp1, LossHParams(is_cap=is_cap))[0], inp1)
+    g_ppo = grad(ppo_clip(inp1, LossConfig(is_cap=is_cap))[0], inp1)
     inp2 = dataclasses.replace(inp, logp=inp.logp.detach().clone().requires_grad_(True))
-    g_rloo = grad(rloo(inp2, LossHParams())[0], inp2)
+    g_rloo = grad(rloo(inp2, LossConfig())[0], inp2)
     assert torch.allclose(g_ppo, g_rloo) and g_rloo.abs().sum() > 0
 
 
@@ -320,7 +320,7 @@ def test_online_dpo_hand_values_and_tied_group_skipped():
     # m = 0.5 * (1 - (-1)) = 1; loss = -log sigmoid(1) = log(1 + e^-1)
     # d loss/dm = -sigmoid(-1); chosen tokens get 0.5 * -sigmoid(-1), rejected tokens +0.5 * sigmoid(-1)
     inp = _dpo_batch([1.0, 3.0, 2.0, 1.0, 1.0, 1.0])
-    loss, m = online_dpo(inp, LossHParams())
+    loss, m = online_dpo(inp, LossConfig())
     assert close(loss, math.log1p(math.exp(-1)))
     q = 0.5 * (1 / (1 + math.e))  # 0.5 * sigmoid(-1)
     assert close(grad(loss, inp), [[q, q], [-q, 0.0], [0, 0], [0, 0], [0, 0], [0, 0]])
@@ -331,7 +331,7 @@ def test_online_dpo_hand_values_and_tied_group_skipped():
 
 def test_online_dpo_all_groups_tied_gives_zero_loss_with_graph():
     inp = _dpo_batch([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
-    loss, m = online_dpo(inp, LossHParams())
+    loss, m = online_dpo(inp, LossConfig())
     assert loss.item() == 0.0 and loss.requires_grad
     assert torch.equal(grad(loss, inp), torch.zeros(6, 2, dtype=F64))
     assert m["loss/pairs"] == 0.0 and m["loss/online_dpo"] == 0.0
@@ -353,7 +353,7 @@ def test_registry_names_and_metric_contract():
     assert set(LOSSES) == {"tb", "rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo"}
     for name, fn in LOSSES.items():
         inp = _generic()
-        loss, m = fn(inp, LossHParams())
+        loss, m = fn(inp, LossConfig())
         assert loss.dim() == 0 and torch.isfinite(loss), name
         assert m[f"loss/{name}"] == pytest.approx(loss.item()), name
         assert "loss/kl_mean" in m, name
@@ -374,7 +374,7 @@ def test_padding_values_never_reach_loss_or_gradient(name):
         inp = dataclasses.replace(inp, logp=logp, mask=inp.mask.float(), reward=inp.reward.float(),
                                   ref_logp=torch.where(pad_mask, 3 * pad, inp.ref_logp).float(),
                                   behaviour_logp=torch.where(pad_mask, -pad, inp.behaviour_logp).float())
-        loss, _ = LOSSES[name](inp, LossHParams(is_cap=2.0) if name == "ppo_clip" else LossHParams())
+        loss, _ = LOSSES[name](inp, LossConfig(is_cap=2.0) if name == "ppo_clip" else LossConfig())
         return loss, grad(loss, inp)
 
     loss0, g0 = run(0.0)
@@ -386,44 +386,44 @@ def test_padding_values_never_reach_loss_or_gradient(name):
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_group_size_must_divide_batch(name):
     with pytest.raises(ValueError, match="3 responses is not a whole number of groups of 2"):
-        LOSSES[name](_generic(k=2, n=3), LossHParams())
+        LOSSES[name](_generic(k=2, n=3), LossConfig())
 
 
 @pytest.mark.parametrize("name", ["rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo"])
 def test_baselines_need_two_responses_per_prompt(name):
     with pytest.raises(ValueError, match="at least 2 responses per prompt"):
-        LOSSES[name](_generic(k=1), LossHParams())
+        LOSSES[name](_generic(k=1), LossConfig())
 
 
 @pytest.mark.parametrize("beta", [0.0, -0.1])
 def test_tb_rejects_nonpositive_beta(beta):
     with pytest.raises(ValueError, match="beta"):
-        trajectory_balance(_generic(beta=beta), LossHParams())
+        trajectory_balance(_generic(beta=beta), LossConfig())
 
 
 def test_beta_rules_of_the_baselines():
     with pytest.raises(ValueError, match="beta"):
-        online_dpo(_generic(beta=0.0), LossHParams())  # DPO's margin scale: 0 makes the loss constant
+        online_dpo(_generic(beta=0.0), LossConfig())  # DPO's margin scale: 0 makes the loss constant
     for name in ["rloo", "grpo", "dr_grpo", "ppo_clip"]:
-        LOSSES[name](_generic(beta=0.0), LossHParams())  # no KL term: allowed
+        LOSSES[name](_generic(beta=0.0), LossConfig())  # no KL term: allowed
         with pytest.raises(ValueError, match="beta"):
-            LOSSES[name](_generic(beta=-0.1), LossHParams())
+            LOSSES[name](_generic(beta=-0.1), LossConfig())
 
 
 def test_shape_mismatch_raises():
     inp = dataclasses.replace(_generic(), ref_logp=torch.zeros(4, 2, dtype=F64))
     with pytest.raises(ValueError, match="ref_logp"):
-        trajectory_balance(inp, LossHParams())
+        trajectory_balance(inp, LossConfig())
     inp = dataclasses.replace(_generic(), reward=torch.zeros(3, dtype=F64))
     with pytest.raises(ValueError, match="reward"):
-        grpo(inp, LossHParams())
+        grpo(inp, LossConfig())
 
 
-def test_hparams_defaults_and_validation():
-    hp = LossHParams()
-    assert (hp.clip_eps, hp.is_cap, hp.std_eps) == (0.2, None, 1e-4)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        hp.clip_eps = 0.3  # type: ignore[misc]
+def test_loss_config_validation():
+    """The loss section rejects values the objectives cannot use, at construction and on assignment."""
+    hp = LossConfig()
+    with pytest.raises(ValueError, match="clip_eps"):
+        hp.clip_eps = -0.3
     for bad in [dict(clip_eps=-0.1), dict(is_cap=0.0), dict(std_eps=0.0)]:
         with pytest.raises(ValueError):
-            LossHParams(**bad)
+            LossConfig(**bad)

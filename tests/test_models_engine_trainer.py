@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import Counter
 
-import torch
 import pytest
+import torch
 
+from tba.config import Config, LossConfig, SearcherConfig, TaskConfig, TrainerConfig
 from tba.engines.hf import HFEngine, sample_categorical
 from tba.models import (ModelLoadError, enable_activation_checkpointing, pad_prompt_response, prepare_model,
                         token_logprobs)
@@ -17,8 +20,9 @@ from tba.weights import load_packed_weights, pack_weights
 
 
 def _prompts(tokenizer, n=2):
-    task = build_task("reasoning_gym:chain_sum", options={"min_terms": 2, "max_terms": 2, "max_digits": 1},
-                      train_size=20, eval_size=4, prompt_template="{question} Answer with just the number.")
+    task = build_task(Config(task=TaskConfig(
+        name="reasoning_gym:chain_sum", options={"min_terms": 2, "max_terms": 2, "max_digits": 1}, train_size=20,
+        eval_size=4, prompt_template="{question} Answer with just the number.")))
     return task, [task.encode(tokenizer, p) for p in task.train[:n]]
 
 
@@ -107,10 +111,10 @@ def test_refilled_rows_decode_as_alone(tiny_model, tokenizer):
     one = engine.generate([prompts[i] for i in order], 1, 12, greedy=True, max_num_seqs=1)
     assert [g[0].response_ids for g in one] == [free[i][: ends[i]] for i in order]
     # a model whose cache cannot take rows of another width (sliding window) decodes a batch at a time
-    engine._mergeable = False
+    engine.continuous_batching = False
     chunked = engine.generate(prompts, 1, 12, greedy=True, max_num_seqs=2)
     assert [g[0].response_ids for g in chunked] == [f[:e] for f, e in zip(free, ends)]
-    engine._mergeable = True
+    engine.continuous_batching = True
     assert engine.generate([], 3, 4) == [] and engine.generate([prompts[0]], 0, 4) == [[]]
     # a prompt's 3 samples join over several steps, from its one prefill, 2 rows at a time
     split = engine.generate(prompts[:3], 3, 12, greedy=True, max_num_seqs=2)
@@ -201,8 +205,9 @@ def test_micro_batched_step_equals_single_pass(model_path, tokenizer, loss_name)
         if checkpointing:
             enable_activation_checkpointing(model)
         batch = _batch(model, prompts)
-        tr = Trainer(model, tokenizer.pad_token_id, loss_name=loss_name, micro_batch_size=mb, lr=1e-4,
-                     grad_clip=1e9, lr_schedule="constant")
+        tr = Trainer(model, tokenizer.pad_token_id,
+                     TrainerConfig(micro_batch_size=mb, lr=1e-4, grad_clip=1e9, lr_schedule="constant"),
+                     LossConfig(name=loss_name), temperature=0.7)
         before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
         real_step = tr.optimizer.step
 
@@ -249,8 +254,9 @@ def test_searcher_step_produces_scored_samples(tiny_model, model_path, tokenizer
 
     task, _ = _prompts(tokenizer)
     ref = load_causal_lm(model_path, torch.float32, 2)
-    s = Searcher(HFEngine(tiny_model, tokenizer), ref, task, tokenizer, [0, 2, 4], 1, prompts_per_batch=2,
-                 samples_per_prompt=3, max_new_tokens=8, max_num_seqs=max_num_seqs)
+    cfg = SearcherConfig(prompts_per_batch=2, samples_per_prompt=3, max_new_tokens=8, max_num_seqs=max_num_seqs)
+    s = Searcher(HFEngine(tiny_model, tokenizer), ref, task, tokenizer, [0, 2, 4], 1, cfg, score_micro_batch=16,
+                 seed=0)
     samples, metrics = s.step()
     assert len(samples) == 6 and {x.prompt_id for x in samples} <= {0, 2, 4}
     assert sorted(Counter(x.prompt_id for x in samples).values()) == [3, 3]
@@ -269,32 +275,35 @@ def test_searcher_step_produces_scored_samples(tiny_model, model_path, tokenizer
 
 def test_searcher_survives_raising_and_hanging_rewards(tiny_model, model_path, tokenizer):
     """A reward that raises or hangs marks its sample (dropped or given failed_reward); the batch goes on."""
-    import time
-
     from tba.searcher import Searcher
 
     task, _ = _prompts(tokenizer)
     calls = {"n": 0}
+    release = threading.Event()
 
     def flaky(response, problem):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("scorer crashed")
         if calls["n"] == 2:
-            time.sleep(3600)  # hangs forever (abandoned in a daemon thread)
+            release.wait(600)  # hangs until the test ends (abandoned by the searcher after its timeout)
         return 1.0
 
     task.reward = flaky
-    s = Searcher(HFEngine(tiny_model, tokenizer), tiny_model, task, tokenizer, [0, 1], prompts_per_batch=1,
-                 samples_per_prompt=4, max_new_tokens=4, reward_timeout_s=0.5)
-    t0 = time.monotonic()
-    samples, metrics = s.step()
-    assert time.monotonic() - t0 < 30
-    assert len(samples) == 2 and metrics["searcher/reward_failures"] == 2.0
-    s.failed_reward = -1.0
-    calls["n"] = 0
-    samples, _ = s.step()
-    assert sorted(x.reward for x in samples) == [-1.0, -1.0, 1.0, 1.0]
+    cfg = SearcherConfig(prompts_per_batch=1, samples_per_prompt=4, max_new_tokens=4, reward_timeout_s=0.5)
+    s = Searcher(HFEngine(tiny_model, tokenizer), tiny_model, task, tokenizer, [0, 1], 0, cfg, score_micro_batch=16,
+                 seed=0)
+    try:
+        t0 = time.monotonic()
+        samples, metrics = s.step()
+        assert time.monotonic() - t0 < 30
+        assert len(samples) == 2 and metrics["searcher/reward_failures"] == 2.0
+        s.cfg.failed_reward = -1.0
+        calls["n"] = 0
+        samples, _ = s.step()
+        assert sorted(x.reward for x in samples) == [-1.0, -1.0, 1.0, 1.0]
+    finally:
+        release.set()
 
 
 def test_packed_weights_round_trip_and_tied_once(model_path):

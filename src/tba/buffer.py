@@ -12,7 +12,7 @@ prompts that received samples since the previous sync, restricted to samples wit
 the next sync. Those samples are used at trainer steps ``published_step .. published_step + k - 1``, so
 their staleness ``step - policy_version`` is at most ``2k - 1``.
 
-Only ``tba.types`` and the standard library are imported: the Ray actor that serves this buffer to
+Only ``tba.types``, ``tba.config`` and the standard library are imported: the Ray actor that serves this buffer to
 searchers and the trainer lives in ``tba.runtime``.
 """
 
@@ -23,6 +23,7 @@ import math
 import random
 from typing import Any
 
+from tba.config import BufferConfig
 from tba.types import Batch, Sample
 
 _STATE_FORMAT = 1
@@ -57,38 +58,21 @@ class _Group:
 class ReplayBuffer:
     """Per-prompt replay buffer with TBA's recency / reward-prioritised sampling (algorithm.md section 3).
 
-    Not thread-safe: one owner (a Ray actor, or the local runtime) calls it.
+    Not thread-safe: one owner (the buffer's Ray actor, or a test) calls it.
 
     Args:
-        capacity_per_prompt: most responses kept per prompt (paper: 100). Must be >= 1.
-        on_policy_prob: m, probability that each prompt of a batch comes from the recent set
-            (paper: 0.95 for GSM8K, 0.5-0.6 for red-teaming). Must be in [0, 1].
-        inv_temp: inverse temperature of the off-policy branch's softmax(inv_temp * reward) response
-            weights; 0 is exactly uniform (GSM8K), 1 is the paper's "reward-prioritised sampling"
-            (TL;DR). Must be >= 0 and finite.
+        cfg: the ``buffer`` config section: ``capacity_per_prompt`` (most responses kept per prompt; paper
+            100), ``on_policy_prob`` m (probability that each prompt of a batch comes from the recent set;
+            paper 0.95 for GSM8K, 0.5-0.6 for red-teaming) and ``inv_temp`` (inverse temperature of the
+            off-policy branch's softmax(inv_temp * reward) response weights; 0 is exactly uniform (GSM8K),
+            1 the paper's "reward-prioritised sampling" (TL;DR)). Ranges are checked by the config.
         seed: seed of the buffer's own ``random.Random``; all sampling randomness comes from it.
-
-    Raises:
-        ValueError: an argument is outside its range (the message names it and the allowed range).
     """
 
-    def __init__(
-        self,
-        capacity_per_prompt: int = 100,
-        on_policy_prob: float = 0.95,
-        inv_temp: float = 0.0,
-        seed: int = 0,
-    ) -> None:
-        cap = capacity_per_prompt
-        if isinstance(cap, bool) or not isinstance(cap, int) or cap < 1:
-            raise ValueError(f"capacity_per_prompt must be an integer >= 1, got {capacity_per_prompt!r}")
-        if not (0.0 <= float(on_policy_prob) <= 1.0):
-            raise ValueError(f"on_policy_prob must be in [0, 1], got {on_policy_prob!r}")
-        if not (0.0 <= float(inv_temp) < math.inf):
-            raise ValueError(f"inv_temp must be a finite number >= 0, got {inv_temp!r}")
-        self.capacity_per_prompt = capacity_per_prompt
-        self.on_policy_prob = float(on_policy_prob)
-        self.inv_temp = float(inv_temp)
+    def __init__(self, cfg: BufferConfig, seed: int) -> None:
+        self.capacity_per_prompt = cfg.capacity_per_prompt
+        self.on_policy_prob = cfg.on_policy_prob
+        self.inv_temp = cfg.inv_temp
         self._rng = random.Random(seed)
         self._reset()
 
@@ -310,6 +294,12 @@ class ReplayBuffer:
         return weights if sum(weights) > 0.0 else [1.0] * len(pool)
 
     # ------------------------------------------------------------------ introspection
+
+    def responses(self, prompt_id: int) -> list[Sample]:
+        """The samples stored for ``prompt_id`` in insertion order (empty if none): a read-only view for logs
+        and tests."""
+        group = self._groups.get(prompt_id)
+        return list(group.entries.values()) if group is not None else []
 
     def __len__(self) -> int:
         """Total number of stored samples, over all prompts."""

@@ -79,58 +79,17 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
 
     Raises:
         ModelLoadError, DataError, FileNotFoundError, ValueError: bad model/data, before Ray starts.
+        TooManySkippedSteps: too many non-finite steps in a row (after saving a checkpoint).
     """
-    from tba.logger import MetricsLogger, plot_learning_curve
-    from tba.models import prepare_model
-    from tba.runtime.build import task_from_config
-    from tba.runtime.ray import RayRuntime
+    from tba.logger import MetricsLogger
 
     t_start = time.monotonic()
-    task = task_from_config(cfg)  # fails fast on bad data, before any model loads
-    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
-    ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
-    _check_prompts(task, policy_path, cfg.searcher.max_new_tokens)
-    if resume_dir:
-        from tba.checkpoint import find
-
-        run_dir = Path(resume_dir)
-        find(run_dir)  # fail before starting Ray when there is nothing to resume
-    else:
-        run_dir = Path(cfg.run.output_dir.format(task=task.name.replace(":", "-"), time=time.strftime("%Y%m%d-%H%M%S")))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(_dump_yaml(cfg.model_dump()))
+    task, policy_path, ref_path, run_dir = _prepare(cfg, resume_dir)
     logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.wandb_project, cfg.model_dump())
     print(f"run directory: {run_dir}", flush=True)
     summary: dict = {"run_dir": str(run_dir), "task": task.name, "mode": cfg.run.mode, "loss": cfg.loss.name}
     try:
-        with RayRuntime(cfg, policy_path, ref_path, run_dir, on_metrics=logger.log) as rt:
-            # again now that Ray runs: ray.init installs its own SIGTERM handler, which exits at once
-            # (no checkpoint, actors left to the raylet)
-            signal.signal(signal.SIGTERM, _raise_interrupt)
-            if resume_dir:
-                state = rt.resume()
-                summary.update(state.extra)
-                held = int(rt.stats()["buffer/size"])
-                print(f"resumed at trainer step {state.step} with {held} samples in the buffer", flush=True)
-            rt.start_searchers()
-            if cfg.run.eval_before and "eval_before" not in summary:
-                summary["eval_before"] = _numbers(rt.evaluate())
-                rt.state.extra["eval_before"] = summary["eval_before"]
-                print(f"eval before training: {_fmt_metrics(summary['eval_before'])}", flush=True)
-            bar = _progress_bar(cfg.trainer.max_steps, f"loss/{cfg.loss.name}") if show_progress else None
-            t_train = time.monotonic()
-            state = rt.train(bar)
-            train_s = time.monotonic() - t_train
-            if bar is not None:
-                bar.close()
-            stats = rt.stats()
-            summary["searcher_nodes"] = sorted(set(rt.searcher_nodes()))
-            if cfg.run.eval_after:
-                after = rt.evaluate()
-                summary["eval_after"] = _numbers(after)
-                summary["eval_examples"] = after.get("examples", [])
-            if cfg.trainer.save_final:
-                summary["final_model"] = rt.save(str(run_dir / "final"))
+        state, stats = _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, summary, show_progress)
     finally:
         logger.close()
     summary.update({
@@ -141,16 +100,76 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
         "reward_failures": int(stats["searcher/reward_failures_total"]),
         "staleness_mean": state.staleness_sum / max(1, state.step),
         "staleness_max": state.staleness_max,
-        "train_wall_s": train_s,
         "trainer_idle_frac": state.trainer_idle_frac,
         "wall_s": time.monotonic() - t_start,
     })
+    _plot(cfg, run_dir, summary)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _prepare(cfg, resume_dir: str | None):
+    """Everything that can fail on bad input, before Ray starts: the task and its data, the models, the
+    prompts' lengths, the checkpoint to resume. Returns (task, policy path, reference path, run dir)."""
+    from tba.checkpoint import find
+    from tba.models import prepare_model
+    from tba.tasks import build_task
+
+    task = build_task(cfg)  # fails fast on bad data, before any model loads
+    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
+    ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
+    _check_prompts(task, policy_path, cfg.searcher.max_new_tokens)
+    if resume_dir:
+        run_dir = Path(resume_dir)
+        find(run_dir)  # fail before starting Ray when there is nothing to resume
+    else:
+        run_dir = Path(cfg.run.output_dir.format(task=task.name.replace(":", "-"), time=time.strftime("%Y%m%d-%H%M%S")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(_dump_yaml(cfg.model_dump()))
+    return task, policy_path, ref_path, run_dir
+
+
+def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, summary: dict, show_progress: bool):
+    """Start the runtime, resume, evaluate before, train, evaluate after and save; fills ``summary``.
+    Returns (run state, buffer/searcher counters)."""
+    from tba.runtime import RayRuntime
+
+    with RayRuntime(cfg, policy_path, ref_path, run_dir, on_metrics=logger.log) as rt:
+        # again now that Ray runs: ray.init installs its own SIGTERM handler, which exits at once
+        # (no checkpoint, actors left to the raylet)
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        if resume_dir:
+            state = rt.resume()
+            summary.update(state.extra)
+            print(f"resumed at trainer step {state.step} with {int(rt.stats()['buffer/size'])} samples in the "
+                  "buffer", flush=True)
+        rt.start_searchers()
+        if cfg.run.eval_before and "eval_before" not in summary:
+            summary["eval_before"] = rt.state.extra["eval_before"] = _numbers(rt.evaluate())
+            print(f"eval before training: {_fmt_metrics(summary['eval_before'])}", flush=True)
+        bar = _progress_bar(cfg.trainer.max_steps, f"loss/{cfg.loss.name}") if show_progress else None
+        t_train = time.monotonic()
+        state = rt.train(bar)
+        summary["train_wall_s"] = time.monotonic() - t_train
+        if bar is not None:
+            bar.close()
+        stats = rt.stats()
+        summary["searcher_nodes"] = sorted(set(rt.searcher_nodes()))
+        if cfg.run.eval_after:
+            after = rt.evaluate()
+            summary["eval_after"], summary["eval_examples"] = _numbers(after), after.get("examples", [])
+        if cfg.trainer.save_final:
+            summary["final_model"] = rt.save(str(run_dir / "final"))
+    return state, stats
+
+
+def _plot(cfg, run_dir: Path, summary: dict) -> None:
+    from tba.logger import plot_learning_curve
+
     if (run_dir / "metrics.jsonl").stat().st_size:
         summary["learning_curve"] = str(plot_learning_curve(
             run_dir / "metrics.jsonl", run_dir / "learning_curve.png",
             ("searcher/reward_mean", "train/reward_mean", f"loss/{cfg.loss.name}", "buffer/staleness_mean")))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def _check_prompts(task, model_path: str, max_new_tokens: int) -> None:
@@ -180,16 +199,19 @@ def _dump_yaml(data: dict) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def _fmt3(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"
+
+
 def print_summary(s: dict) -> None:
     """Human-readable end-of-run summary."""
     lines = ["", "== tba summary =="]
     before, after = s.get("eval_before", {}), s.get("eval_after", {})
     for key in [k for k in {**before, **after} if k not in ("n", "stderr")]:
         b, a = before.get(key), after.get(key)
-        fmt = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
         gain = f" (change {a - b:+.3f})" if a is not None and b is not None else ""
         noise = f", eval stderr {after['stderr']:.3f} on {after['n']} problems" if key == "accuracy" and "stderr" in after else ""
-        lines.append(f"eval {key}: before {fmt(b)} -> after {fmt(a)}{gain}{noise}")
+        lines.append(f"eval {key}: before {_fmt3(b)} -> after {_fmt3(a)}{gain}{noise}")
     lines += [
         f"trainer steps: {s['trainer_steps']}   samples generated: {s['samples_generated']}",
         f"wall time: {s['wall_s']:.0f} s (training {s['train_wall_s']:.0f} s"
@@ -218,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from tba.models import ModelLoadError
+    from tba.runtime.cadence import TooManySkippedSteps
 
     try:
         path, overrides, resume = parse_train_args(rest)
@@ -227,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted; all actors stopped", file=sys.stderr)
         return 130
-    except FloatingPointError as e:
+    except TooManySkippedSteps as e:
         print(f"error: {e} (a checkpoint was saved)", file=sys.stderr)
         return 1
     except (ConfigError, ModelLoadError, OSError, ValueError, TimeoutError) as e:

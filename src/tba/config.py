@@ -106,7 +106,7 @@ class BufferConfig(_Section):
         0.95, ge=0, le=1, description="m: probability a batch prompt comes from the newest sync (paper GSM8K: 0.95)."
     )
     inv_temp: float = Field(
-        0.0, ge=0, description="Reward-prioritised replay: draw K with softmax(inv_temp * reward); 0 = uniform."
+        0.0, ge=0, allow_inf_nan=False, description="Reward-prioritised replay: draw K with softmax(inv_temp * reward); 0 = uniform."
     )
     min_fill: int = Field(
         64, ge=1, description="Samples the buffer must hold before training starts (paper GSM8K: 500)."
@@ -117,9 +117,18 @@ class LossConfig(_Section):
     name: Literal["tb", "rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo"] = Field(
         "tb", description="Objective; tb = trajectory balance with VarGrad log Z (the TBA paper)."
     )
-    clip_eps: float = Field(0.2, gt=0, description="PPO/GRPO ratio clip epsilon.")
+    clip_eps: float = Field(
+        0.2, gt=0, description="PPO ratio clip of grpo, dr_grpo and ppo_clip: a token whose ratio pi_theta / "
+        "pi_behaviour has left [1 - clip_eps, 1 + clip_eps] in the direction its advantage pushes gets no gradient "
+        "(Schulman et al. 2017; 0.2 as in DeepSeekMath and TRL).",
+    )
     is_cap: Optional[float] = Field(
-        None, gt=0, description="ppo_clip: truncated importance weight cap; None = clipped surrogate."
+        None, gt=0, description="ppo_clip: truncated importance weight min(ratio, is_cap), gradient stopped (IMPALA, "
+        "Espeholt et al. 2018; the usual off-policy correction of async RL systems); None = clipped surrogate.",
+    )
+    std_eps: float = Field(
+        1e-4, gt=0, description="grpo: added to the group's reward std, so a group of equal rewards gets "
+        "advantage 0 instead of 0/0.",
     )
 
 

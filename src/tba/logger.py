@@ -14,7 +14,8 @@ class MetricsLogger:
     Args:
         run_dir: the run directory.
         tensorboard: also write event files under ``run_dir/tb``.
-        wandb_project: also log to W&B (requires ``pip install wandb``).
+        wandb_project: also log to W&B (requires ``pip install wandb``), which mirrors the TensorBoard
+            event files (``sync_tensorboard``), so they are written in that case too.
         config: stored with the W&B run.
     """
 
@@ -24,16 +25,17 @@ class MetricsLogger:
         self._file = open(self.path, "a")
         self._tb = None
         self._wandb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
         if wandb_project:
             try:
                 import wandb
             except ImportError:
                 raise ImportError("run.wandb_project is set but wandb is not installed: pip install wandb") from None
-            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir))
+            # W&B mirrors the TensorBoard event files (created after this call), so every metric reaches it
+            self._wandb = wandb.init(project=wandb_project, config=config, dir=str(run_dir), sync_tensorboard=True)
+        if tensorboard or wandb_project:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` (namespaced keys such as ``loss/tb``) at trainer ``step``."""
@@ -44,8 +46,6 @@ class MetricsLogger:
             for k, v in record.items():
                 if k != "step":
                     self._tb.add_scalar(k, v, step)
-        if self._wandb is not None:
-            self._wandb.log(record, step=step)
 
     def close(self) -> None:
         """Flush and close every sink."""

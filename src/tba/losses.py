@@ -1,9 +1,9 @@
 """Training objectives as pure tensor functions.
 
 Every objective takes the same :class:`LossInputs` (B prompts x K responses, group-major) and
-:class:`LossHParams`, and returns ``(loss, metrics)``; the trainer picks one by name from :data:`LOSSES`,
+:class:`tba.config.LossConfig` (the ``loss`` config section: clip_eps, is_cap, std_eps), and returns ``(loss, metrics)``; the trainer picks one by name from :data:`LOSSES`,
 so objectives differ only here. ``trajectory_balance`` is TBA's loss; the others are the baselines of
-algorithm.md section 6, which use the same groups of K responses, so one buffer and trainer serve all.
+docs/algorithm.md section 6, which use the same groups of K responses, so one buffer and trainer serve all.
 
 Conventions shared by all objectives:
 
@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from tba.config import LossConfig
 
 
 @dataclass
@@ -47,38 +49,7 @@ class LossInputs:
     beta: float
 
 
-@dataclass(frozen=True)
-class LossHParams:
-    """Objective hyper-parameters that do not change during training (beta is in LossInputs: it is scheduled).
-
-    Frozen, so one instance can be shared (and used as a default argument) safely.
-
-    Attributes:
-        clip_eps: PPO ratio clip for grpo, dr_grpo and ppo_clip: a token whose ratio
-            pi_theta / pi_behaviour has left [1 - clip_eps, 1 + clip_eps] in the direction its advantage
-            pushes gets no gradient (Schulman et al. 2017). 0.2 as in DeepSeekMath and TRL.
-        is_cap: ppo_clip only. None: the clipped surrogate above. A number c > 0: truncated importance
-            sampling instead, weight = min(ratio, c) with the gradient stopped, times the token log-prob
-            (IMPALA, Espeholt et al. 2018; the off-policy correction of asynchronous RL systems). Unlike
-            clipping, a capped token still gets gradient, scaled by c.
-        std_eps: added to the per-prompt reward standard deviation in grpo, so a group whose rewards are
-            all equal gets advantage 0 instead of 0/0.
-    """
-
-    clip_eps: float = 0.2
-    is_cap: float | None = None
-    std_eps: float = 1e-4
-
-    def __post_init__(self) -> None:
-        if not self.clip_eps >= 0:
-            raise ValueError(f"clip_eps must be >= 0, got {self.clip_eps}")
-        if self.is_cap is not None and not self.is_cap > 0:
-            raise ValueError(f"is_cap must be > 0 or None, got {self.is_cap}")
-        if not self.std_eps > 0:
-            raise ValueError(f"std_eps must be > 0 (tied groups would divide 0 by 0), got {self.std_eps}")
-
-
-_DEFAULT_HP = LossHParams()
+_DEFAULT_HP = LossConfig()  # pydantic sections are validated once and never mutated here
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -143,7 +114,7 @@ def _clipped_surrogate(
 
 
 def trajectory_balance(
-    inp: LossInputs, hp: LossHParams = _DEFAULT_HP
+    inp: LossInputs, hp: LossConfig = _DEFAULT_HP
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Trajectory balance loss with the VarGrad log Z estimate (TBA paper, section 3; algorithm.md 1).
 
@@ -181,7 +152,7 @@ def trajectory_balance(
     return loss, metrics
 
 
-def rloo(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
+def rloo(inp: LossInputs, hp: LossConfig = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE leave-one-out on the KL-regularised reward (Ahmadian et al. 2024, "Back to Basics").
 
     r'_j = r_j - beta * SG[log pi_theta(y_j|x) - log pi_ref(y_j|x)]    (sequence-level K1 KL in the reward)
@@ -214,7 +185,7 @@ def rloo(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tensor, 
 
 
 def _group_relative_ppo(
-    inp: LossInputs, hp: LossHParams, name: str, dr: bool
+    inp: LossInputs, hp: LossConfig, name: str, dr: bool
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Shared body of grpo (dr=False) and dr_grpo (dr=True); see their docstrings."""
     k = _check(inp, name, ("ref_logp", "behaviour_logp", "mask"), min_group=2)
@@ -246,7 +217,7 @@ def _group_relative_ppo(
     return loss, metrics
 
 
-def grpo(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo(inp: LossInputs, hp: LossConfig = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO (Shao et al. 2024, DeepSeekMath, eq. 3 with outcome supervision).
 
     A_j      = (r_j - mean_group r) / (std_group r + hp.std_eps)        (unbiased std, as TRL)
@@ -270,7 +241,7 @@ def grpo(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tensor, 
     return _group_relative_ppo(inp, hp, "grpo", dr=False)
 
 
-def dr_grpo(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
+def dr_grpo(inp: LossInputs, hp: LossConfig = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like Training: A Critical Perspective").
 
     GRPO without its two biases: no division by the group reward std, and no per-response length
@@ -294,10 +265,10 @@ def dr_grpo(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tenso
     return _group_relative_ppo(inp, hp, "dr_grpo", dr=True)
 
 
-def ppo_clip(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
+def ppo_clip(inp: LossInputs, hp: LossConfig = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
     """Importance-weighted REINFORCE against the behaviour policy, per token, with an RLOO baseline.
 
-    The usual off-policy correction of asynchronous RL systems (algorithm.md section 6). The advantage is
+    The usual off-policy correction of asynchronous RL systems (docs/algorithm.md section 6). The advantage is
     :func:`rloo`'s, a sequence-level constant A_j on every token of y_j:
 
     A_j    = r'_j - mean_{i != j} r'_i,   r'_j = r_j - beta * SG[log pi_theta(y_j|x) - log pi_ref(y_j|x)]
@@ -345,7 +316,7 @@ def ppo_clip(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tens
     return loss, metrics
 
 
-def online_dpo(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
+def online_dpo(inp: LossInputs, hp: LossConfig = _DEFAULT_HP) -> tuple[torch.Tensor, dict[str, float]]:
     """Online DPO: one preference pair per group, judged by the reward (Rafailov et al. 2023, DPO;
     Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback").
 
@@ -393,7 +364,7 @@ def online_dpo(inp: LossInputs, hp: LossHParams = _DEFAULT_HP) -> tuple[torch.Te
     return loss, metrics
 
 
-LossFn = Callable[[LossInputs, LossHParams], "tuple[torch.Tensor, dict[str, float]]"]
+LossFn = Callable[[LossInputs, LossConfig], "tuple[torch.Tensor, dict[str, float]]"]
 
 #: Objectives by config name (``loss.name``).
 LOSSES: dict[str, LossFn] = {

@@ -178,7 +178,7 @@ def token_logprobs(
     When prompts repeat (the K responses of a group share one), each distinct prompt is run once and its
     KV cache indexed out to its responses (:func:`_shared_prompt_logits`); gradients flow back through the
     cache into the one prompt pass. Same values as scoring every row in full (float32: within 1e-5), at
-    a fraction of the cost: with 54-token prompts and ~15-token responses, 80% of a plain pass is prompt.
+    a fraction of the cost when prompts are longer than responses (measured in ``benchmarks/README.md``).
     Activation checkpointing disables the KV cache in training, so a checkpointed model takes the plain path.
 
     Returns:

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
+from math import isfinite
+from typing import Any, Callable
 
 import torch
 
 from tba.models import token_logprobs
 from tba.tasks.base import Task
-from tba.rewards import call_with_timeout, check_reward
+from tba.config import SearcherConfig
 from tba.types import PackedWeights, Sample
 from tba.weights import load_packed_weights
 
@@ -30,35 +33,27 @@ class Searcher:
         tokenizer: shared tokenizer.
         problem_ids: this searcher's shard of ``task.train`` indices (disjoint across searchers).
         searcher_id: recorded on every sample.
-        prompts_per_batch: prompts per generation batch.
-        samples_per_prompt: S responses per prompt.
-        max_new_tokens: response cap, tokens.
-        max_num_seqs: responses decoding at once; a finished response's row goes to the batch's next
-            waiting sample (continuous batching, :meth:`HFEngine.generate`). None: all prompts x S at once.
-        temperature: training temperature: reference log-probs use it (as does the trainer).
-        temperature_range: if set, each batch samples at a temperature uniform in [low, high] (paper
-            red-teaming); behaviour log-probs are then at that batch's temperature.
-        reward_timeout_s: seconds per reward call before the sample is marked failed.
-        failed_reward: reward for failed samples; None drops them.
+        cfg: the ``searcher`` config section: prompts per batch, S responses per prompt, the response cap
+            in tokens, ``max_num_seqs`` (continuous batching, :meth:`HFEngine.generate`), the training
+            ``temperature`` (reference log-probs use it, as does the trainer) or a ``temperature_range``
+            drawn per batch (paper red-teaming; behaviour log-probs are then at that batch's temperature),
+            and the reward guard (``reward_timeout_s`` per call, ``failed_reward`` or drop).
         score_micro_batch: responses per reference forward pass.
         seed: shuffles the shard order.
+
+    Raises:
+        ValueError: ``problem_ids`` is empty.
     """
 
-    def __init__(self, engine, ref_model, task, tokenizer, problem_ids: list[int], searcher_id: int = 0, *,
-                 prompts_per_batch: int = 4, samples_per_prompt: int = 8, max_new_tokens: int = 64,
-                 max_num_seqs: int | None = None, temperature: float = 0.7,
-                 temperature_range: tuple[float, float] | None = None, reward_timeout_s: float = 10.0,
-                 failed_reward: float | None = None,
-                 score_micro_batch: int = 16, seed: int = 0):
+    def __init__(self, engine, ref_model, task, tokenizer, problem_ids: list[int], searcher_id: int,
+                 cfg: SearcherConfig, score_micro_batch: int, seed: int):
         if not problem_ids:
-            raise ValueError(f"searcher {searcher_id} has no prompts: more searchers than training prompts?")
+            raise ValueError(f"searcher {searcher_id} has no prompts: searcher.num_searchers is larger than the "
+                             "number of training prompts")
         self.engine, self.ref_model, self.task, self.tokenizer = engine, ref_model, task, tokenizer
         self.searcher_id = searcher_id
         self.problem_ids = list(problem_ids)
-        self.prompts_per_batch, self.samples_per_prompt = prompts_per_batch, samples_per_prompt
-        self.max_new_tokens, self.max_num_seqs = max_new_tokens, max_num_seqs
-        self.temperature, self.temperature_range = temperature, temperature_range
-        self.reward_timeout_s, self.failed_reward = reward_timeout_s, failed_reward
+        self.cfg = cfg
         self.score_micro_batch = score_micro_batch
         self.version = 0
         self._rng = random.Random(seed * 1000 + searcher_id)
@@ -76,9 +71,9 @@ class Searcher:
         self.version = version
 
     def next_prompts(self) -> list[int]:
-        """The next ``prompts_per_batch`` problem ids: shuffled epochs over the shard, no repeats within one."""
+        """The next ``searcher.prompts_per_batch`` problem ids: shuffled epochs over the shard, no repeats within one."""
         out = []
-        while len(out) < self.prompts_per_batch:
+        while len(out) < self.cfg.prompts_per_batch:
             if not self._order:
                 self._order = self.problem_ids[:]
                 self._rng.shuffle(self._order)
@@ -95,9 +90,10 @@ class Searcher:
         t0 = time.perf_counter()
         pids = self.next_prompts()
         prompts = [self._prompt_ids[i] for i in pids]
-        temp = self._rng.uniform(*self.temperature_range) if self.temperature_range else self.temperature
-        gens = self.engine.generate(prompts, self.samples_per_prompt, self.max_new_tokens, temp,
-                                    max_num_seqs=self.max_num_seqs)
+        c = self.cfg
+        temp = self._rng.uniform(*c.temperature_range) if c.temperature_range else c.temperature
+        gens = self.engine.generate(prompts, c.samples_per_prompt, c.max_new_tokens, temp,
+                                    max_num_seqs=c.max_num_seqs)
         t_gen = time.perf_counter() - t0
         flat = [(pid, prompt, g) for pid, prompt, group in zip(pids, prompts, gens) for g in group]
         ref = self._ref_logprobs([p for _, p, _ in flat], [g.response_ids for _, _, g in flat])
@@ -108,9 +104,9 @@ class Searcher:
             if err is not None:
                 failures += 1
                 log.warning("searcher %d: reward failed for prompt %d: %s", self.searcher_id, pid, err)
-                if self.failed_reward is None:
+                if self.cfg.failed_reward is None:
                     continue
-                reward = self.failed_reward
+                reward = self.cfg.failed_reward
             samples.append(Sample(pid, prompt, g.response_ids, reward, g.logprobs, ref_lp, self.version,
                                   self.searcher_id, g.finished))
         self.reward_failures += failures
@@ -129,14 +125,14 @@ class Searcher:
         """(reward, None) or (None, reason) per response, never raising; batched when the task batches."""
         if type(self.task).reward_batch is not Task.reward_batch:
             values, err = call_with_timeout(self.task.reward_batch, texts, problems,
-                                            timeout_s=self.reward_timeout_s * len(texts))
+                                            timeout_s=self.cfg.reward_timeout_s * len(texts))
             if err is None and isinstance(values, (list, tuple)) and len(values) == len(texts):
                 return [check_reward(v) for v in values]
             log.warning("searcher %d: batched reward failed (%s); scoring one by one", self.searcher_id,
                         err or f"returned {type(values).__name__} of the wrong length")
         out = []
         for text, problem in zip(texts, problems):
-            value, err = call_with_timeout(self.task.reward, text, problem, timeout_s=self.reward_timeout_s)
+            value, err = call_with_timeout(self.task.reward, text, problem, timeout_s=self.cfg.reward_timeout_s)
             out.append((None, err) if err is not None else check_reward(value))
         return out
 
@@ -146,7 +142,7 @@ class Searcher:
         pad = self.tokenizer.pad_token_id
         for s in range(0, len(prompts), self.score_micro_batch):
             lp, mask = token_logprobs(self.ref_model, prompts[s : s + self.score_micro_batch],
-                                      responses[s : s + self.score_micro_batch], self.temperature, pad)
+                                      responses[s : s + self.score_micro_batch], self.cfg.temperature, pad)
             out += [row[: int(m.sum())].tolist() for row, m in zip(lp.float().cpu(), mask)]
         return out
 
@@ -168,3 +164,40 @@ def _rng_to_json(state):
 
 def _rng_from_json(state):
     return (state[0], tuple(state[1]), state[2])
+
+
+# -- the reward fault guard: one bad reward call marks its sample(s), never stops the searcher ---------
+def call_with_timeout(fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[Any, str | None]:
+    """Run ``fn(*args)`` in a daemon thread, waiting at most ``timeout_s`` seconds.
+
+    A reward that raises or hangs marks only its own sample(s); a hung call is
+    abandoned in its daemon thread (Python cannot kill a thread), so the searcher never blocks.
+
+    Returns:
+        ``(value, None)`` on success, ``(None, reason)`` on failure.
+    """
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - any scorer failure is reported, never raised
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    thread = threading.Thread(target=target, daemon=True, name="tba-reward")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return None, f"timeout after {timeout_s:g} s"
+    if "error" in box:
+        return None, box["error"]
+    return box["value"], None
+
+
+def check_reward(value: Any) -> tuple[float | None, str | None]:
+    """``(float(value), None)`` for a finite number, else ``(None, reason)``."""
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None, f"reward is not a number: {value!r}"
+    return (value, None) if isfinite(value) else (None, f"non-finite reward {value}")

@@ -30,26 +30,28 @@ class Generation:
 class HFEngine:
     """Samples responses from a transformers causal LM with its own decoding loop; records behaviour log-probs.
 
-    Faster than ``model.generate`` for RL rollouts in four ways (issue 4), all exact (tested):
+    Faster than ``model.generate`` for RL rollouts in four ways, all exact (tested); their measured
+    speed-ups are in ``benchmarks/README.md`` (``benchmarks/throughput.py``):
 
     - shared prefill: each prompt is run once and its KV cache copied to its K samples, instead of
-      prefilling every copy (on a 2-core CPU the prefill of 32 x ~55 prompt tokens costs about as much as
-      15 decoding steps);
+      prefilling every copy;
     - finished rows leave the batch: a response that emitted EOS is dropped from the KV cache, so the
       decoding steps after it cost only the responses still running (``generate`` keeps decoding every
-      row until the longest is done). Quickstart responses average ~14 of up to 32 tokens;
+      row until the longest is done);
     - continuous batching (``max_num_seqs``): when more samples wait than rows decode at once, the row of a
       response that ends is handed to the next waiting sample at the next step, its prompt's KV written
       into the row in place, so the batch stays full until the last samples drain;
     - inverse-CDF sampling (:func:`sample_categorical`) instead of ``torch.multinomial``, which on CPU draws
-      one exponential per vocabulary entry (24% of a decoding step at batch 32).
-
-    On the quickstart workload (2-core CPU, ``benchmarks/throughput.py``): 2.3x the tokens/s of
-    ``generate`` for one batch of 32, 3.1x with continuous batching over four batches' worth of prompts.
+      one exponential per vocabulary entry.
 
     Args:
         model: a causal LM (eval mode), any dtype/device.
         tokenizer: its tokenizer (pad token set; left padding is applied here).
+
+    Attributes:
+        continuous_batching: whether a finished row may take a waiting sample of another width; False for
+            models with sliding-window caches (detected here), which then decode one batch of prompts at a
+            time. Setting it False forces that fallback.
     """
 
     def __init__(self, model, tokenizer):
@@ -58,9 +60,10 @@ class HFEngine:
         self.eos_ids = set(_as_list(model.generation_config.eos_token_id) or [tokenizer.eos_token_id])
         # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns, later fails)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # rows of different widths can be joined only where every layer keeps its whole history; a sliding
-        # window layer keeps a fixed-width tail (such models decode one batch of prompts at a time)
-        self._mergeable = all(type(layer) is DynamicLayer for layer in DynamicCache(config=model.config).layers)
+        # Rows of different widths can be joined only where every layer keeps its whole history; a sliding
+        # window layer keeps a fixed-width tail, so such models decode one batch of prompts at a time.
+        self.continuous_batching = all(type(layer) is DynamicLayer
+                                       for layer in DynamicCache(config=model.config).layers)
 
     @torch.no_grad()
     def generate(
@@ -97,46 +100,24 @@ class HFEngine:
         if n == 0:
             return [[] for _ in prompts]
         max_num_seqs = min(max_num_seqs or n, n)
-        if not self._mergeable and max_num_seqs < n:
-            # a sliding-window cache cannot take a row of another width: one batch of prompts at a time
+        if not self.continuous_batching and max_num_seqs < n:
             per = max(1, max_num_seqs // k)
             return [g for i in range(0, len(prompts), per)
                     for g in self.generate(prompts[i : i + per], k, max_new_tokens, temperature, greedy,
                                            min_new_tokens)]
-        tokens = torch.full((n, max_new_tokens), self.tokenizer.pad_token_id, dtype=torch.long)
-        logps = torch.zeros((n, max_new_tokens))
-        length = torch.full((n,), max_new_tokens, dtype=torch.long)
-        finished = torch.zeros(n, dtype=torch.bool)
-        steps = torch.zeros(n, dtype=torch.long)  # tokens sampled so far, per output row
+        out = _Outputs(n, max_new_tokens, self.tokenizer.pad_token_id)
         eos = torch.tensor(sorted(self.eos_ids), device=self.model.device)
         waiting = _Waiting(prompts, k, prefill_prompts=max(1, max_num_seqs // k))
         run = self._start(waiting, max_num_seqs)
         while run.n:
             logp = torch.log_softmax(run.logits.float() / temperature, dim=-1)  # [n_running, V]
-            rows = run.rows
-            t = steps[rows]
+            t = out.steps[run.rows]
             early = (t < min_new_tokens).to(logp.device)
             if early.any():
                 logp[early.nonzero(), eos] = -math.inf
             tok = logp.argmax(-1) if greedy else sample_categorical(logp)
-            tokens[rows, t] = tok.cpu()
-            logps[rows, t] = logp.gather(-1, tok[:, None]).squeeze(-1).cpu()
-            steps[rows] = t + 1
-            hit_eos = torch.isin(tok, eos).cpu()
-            done = hit_eos | (t + 1 == max_new_tokens)
-            reuse = torch.zeros(0, dtype=torch.long)
-            if done.any():
-                length[rows[done]], finished[rows[done]] = t[done] + 1, hit_eos[done]
-                ended = done.nonzero().squeeze(-1)
-                reuse = ended[: waiting.count()]  # rows handed to waiting samples after this step
-                if len(reuse) < len(ended):
-                    # the rest leave the KV cache (one copy of it) rather than decode on to the longest; they
-                    # come after every reused row, so the reused rows keep their indices
-                    keep = torch.ones_like(done)
-                    keep[ended[len(reuse) :]] = False
-                    keep = keep.nonzero().squeeze(-1).to(tok.device)
-                    run.select(keep)
-                    tok = tok[keep]
+            done = out.record(run.rows, t, tok, logp, eos)
+            reuse, tok = self._retire(run, done, waiting.count(), tok)
             if run.n:
                 # rows in ``reuse`` decode once more (cheaper than a copy of the cache to drop them first)
                 run.step(self.model, self._cache_kw, tok)
@@ -146,12 +127,26 @@ class HFEngine:
                 idx, out_rows = waiting.take(len(reuse))
                 run.replace(reuse[: len(idx)], waiting.prefilled, idx, out_rows)
                 reuse = reuse[len(idx):]
-        results: list[list[Generation]] = [[] for _ in prompts]
-        for row in range(n):
-            m = int(length[row])
-            results[row // k].append(
-                Generation(tokens[row, :m].tolist(), logps[row, :m].tolist(), finished=bool(finished[row])))
-        return results
+        return out.results(len(prompts), k)
+
+    @staticmethod
+    def _retire(run: _Running, done: torch.Tensor, n_waiting: int,
+                tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of responses that ended this step: the first ``n_waiting`` are returned for reuse by waiting
+        samples; the rest leave the KV cache (one copy of it) rather than decode on to the longest. They come
+        after every reused row, so reused rows keep their indices. Returns (reused rows, next tokens of the
+        rows still running)."""
+        if not done.any():
+            return torch.zeros(0, dtype=torch.long), tok
+        ended = done.nonzero().squeeze(-1)
+        reuse = ended[:n_waiting]
+        if len(reuse) < len(ended):
+            keep = torch.ones_like(done)
+            keep[ended[len(reuse):]] = False
+            keep = keep.nonzero().squeeze(-1).to(tok.device)
+            run.select(keep)
+            tok = tok[keep]
+        return reuse, tok
 
     def _start(self, waiting: _Waiting, m: int) -> _Running:
         """The first ``m`` rows: the first prompts prefilled, each prefill row copied to its samples."""
@@ -236,6 +231,40 @@ class _Running:
         self.attn[dev_slots] = F.pad(src.attn[dev_idx], (width - w, 0))
         self.next_pos[dev_slots], self.logits[dev_slots] = src.next_pos[dev_idx], src.logits[dev_idx]
         self.rows[slots] = rows
+
+
+class _Outputs:
+    """The responses being written, one output row per sample: tokens and log-probs [n, max_new_tokens],
+    length, finished flag and tokens sampled so far [n]."""
+
+    def __init__(self, n: int, max_new_tokens: int, pad_id: int):
+        self.max_new_tokens = max_new_tokens
+        self.tokens = torch.full((n, max_new_tokens), pad_id, dtype=torch.long)
+        self.logps = torch.zeros((n, max_new_tokens))
+        self.length = torch.full((n,), max_new_tokens, dtype=torch.long)
+        self.finished = torch.zeros(n, dtype=torch.bool)
+        self.steps = torch.zeros(n, dtype=torch.long)
+
+    def record(self, rows: torch.Tensor, t: torch.Tensor, tok: torch.Tensor, logp: torch.Tensor,
+               eos: torch.Tensor) -> torch.Tensor:
+        """Write token ``tok`` [r] and its log-prob from ``logp`` [r, V] at position ``t`` of ``rows``;
+        returns which of them ended (EOS or the length cap) [r] bool."""
+        self.tokens[rows, t] = tok.cpu()
+        self.logps[rows, t] = logp.gather(-1, tok[:, None]).squeeze(-1).cpu()
+        self.steps[rows] = t + 1
+        hit_eos = torch.isin(tok, eos).cpu()
+        done = hit_eos | (t + 1 == self.max_new_tokens)
+        self.length[rows[done]], self.finished[rows[done]] = t[done] + 1, hit_eos[done]
+        return done
+
+    def results(self, num_prompts: int, k: int) -> list[list[Generation]]:
+        """``out[i][j]``: response j of prompt i (output row i * k + j)."""
+        results: list[list[Generation]] = [[] for _ in range(num_prompts)]
+        for row in range(len(self.length)):
+            m = int(self.length[row])
+            results[row // k].append(Generation(self.tokens[row, :m].tolist(), self.logps[row, :m].tolist(),
+                                                finished=bool(self.finished[row])))
+        return results
 
 
 class _Waiting:

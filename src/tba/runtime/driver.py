@@ -1,0 +1,258 @@
+"""The driver: starts the actors, runs the ONE training loop, checkpoints and resumes (TBA section 2).
+
+Sync and async mode differ only in when generation happens: async searchers loop on their own from
+:meth:`RayRuntime.start_searchers` on; in sync mode every searcher makes one batch with the current
+weights right before each trainer step (k = 1, m = 1: the on-policy baseline).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import ray
+
+from tba import checkpoint
+from tba.config import Config
+from tba.runtime.actors import BufferActor, SearcherActor, TrainerActor
+from tba.runtime.bootstrap import init_ray
+from tba.runtime.cadence import Cadence, TooManySkippedSteps
+from tba.runtime.state import RunState
+from tba.runtime.supervisor import SearcherSupervisor
+
+log = logging.getLogger(__name__)
+
+
+def mode_config(cfg: Config) -> Config:
+    """``cfg`` as the actors run it: sync mode samples only the newest batch (m = 1) and trains as soon as
+    one batch is in (min_fill = 1)."""
+    if cfg.run.mode != "sync":
+        return cfg
+    return cfg.model_copy(update={"buffer": cfg.buffer.model_copy(update={"on_policy_prob": 1.0, "min_fill": 1})})
+
+
+class RayRuntime:
+    """Starts the actors, runs the training loop, and always cleans up (a context manager).
+
+    Args:
+        cfg: the validated config.
+        policy_path, ref_path: prepared model paths (see :func:`tba.models.prepare_model`).
+        run_dir: where checkpoints go (the trainer actor writes its tensors there directly, so on a
+            cluster it must be storage the trainer's node can reach).
+        on_metrics: called as ``on_metrics(step, metrics)`` after every trainer step and mid-run eval.
+    """
+
+    def __init__(self, cfg: Config, policy_path: str, ref_path: str, run_dir: str | Path, on_metrics=None):
+        self.cfg = mode_config(cfg)
+        self.policy_path, self.ref_path = policy_path, ref_path
+        self.run_dir = Path(run_dir)
+        self.on_metrics = on_metrics or (lambda step, m: None)
+        self.cadence = Cadence.from_config(cfg)
+        self.state = RunState()
+        self.actors: list = []
+        self._inflight = None  # the trainer step sent and not yet recorded
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def __enter__(self) -> "RayRuntime":
+        init_ray(self.cfg)
+        try:
+            self._start_actors()
+        except BaseException:
+            self.__exit__()  # a failed start must not leave Ray running
+            raise
+        return self
+
+    def _start_actors(self) -> None:
+        c = self.cfg
+        cfg_dict = c.model_dump()
+        self.buffer = BufferActor.options(num_cpus=0).remote(cfg_dict)
+        self.trainer = TrainerActor.options(num_cpus=c.trainer.threads).remote(cfg_dict, self.policy_path)
+
+        def new_searcher(i: int):
+            return SearcherActor.options(num_cpus=c.searcher.threads, scheduling_strategy="SPREAD",
+                                         max_concurrency=2).remote(cfg_dict, self.policy_path, self.ref_path, i)
+
+        self.searchers = SearcherSupervisor(new_searcher, c.searcher.num_searchers, self.buffer)
+        self.actors = [self.buffer, self.trainer, *self.searchers.actors]
+        # Wait for every actor to be constructed: surfaces model/task errors from the workers now, and
+        # turns a cluster too small to place them into an error instead of a hang.
+        try:
+            ray.get([a.__ray_ready__.remote() for a in self.actors], timeout=c.run.startup_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"actors not started after {c.run.startup_timeout_s:g} s: the cluster needs "
+                f"{c.trainer.threads} CPU(s) for the trainer and {c.searcher.threads} per searcher "
+                f"x {c.searcher.num_searchers}; see `ray status`") from None
+
+    def __exit__(self, *exc) -> None:
+        try:
+            ray.get(self.buffer.set_stop.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - best effort; the kills below are what matter
+            pass
+        for a in [*self.actors, *getattr(self, "searchers", [])]:
+            try:
+                ray.kill(a)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        ray.shutdown()
+
+    # -- the pieces the CLI calls ------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """The task's held-out metrics for the trainer's current policy."""
+        return ray.get(self.trainer.evaluate.remote())
+
+    def save(self, path: str) -> str:
+        """Save the trainer's policy (HF format)."""
+        return ray.get(self.trainer.save.remote(path))
+
+    def searcher_nodes(self) -> list[str]:
+        """Ray node id of each searcher."""
+        return ray.get([s.node_id.remote() for s in self.searchers])
+
+    def stats(self) -> dict:
+        """Buffer and searcher counters (not drained)."""
+        return ray.get(self.buffer.stats.remote(False))
+
+    def save_checkpoint(self) -> Path:
+        """Write a complete checkpoint of trainer, buffer, searcher cursors and run state; returns its folder.
+
+        Written to a temporary folder and renamed into place, so a crash while saving keeps the previous one.
+        """
+        tmp = checkpoint.begin(self.run_dir)
+        ray.get(self.trainer.save_checkpoint.remote(str(tmp)))
+        checkpoint.write_json(tmp / "buffer.json", ray.get(self.buffer.state_dict.remote()))
+        checkpoint.write_json(tmp / "searchers.json", ray.get([s.state_dict.remote() for s in self.searchers]))
+        checkpoint.write_json(tmp / "driver.json", self.state.to_json())
+        return checkpoint.commit(self.run_dir)
+
+    def resume(self) -> RunState:
+        """Load the run directory's checkpoint into the actors and publish the restored weights.
+
+        Raises:
+            FileNotFoundError: no checkpoint in the run directory.
+            RuntimeError: the trainer's and the driver's step in the checkpoint disagree.
+        """
+        ckpt = checkpoint.find(self.run_dir)
+        step = ray.get(self.trainer.load_checkpoint.remote(str(ckpt)))
+        driver = checkpoint.read_json(ckpt / "driver.json")
+        if step != driver["step"]:
+            raise RuntimeError(
+                f"checkpoint {ckpt} is inconsistent: its trainer state is at step {step} but its run state at "
+                f"step {driver['step']} (an older tba saved it while a step was in flight); it cannot be resumed "
+                "exactly: start a new run, or resume an earlier copy of the checkpoint folder")
+        ray.get(self.buffer.load_state_dict.remote(checkpoint.read_json(ckpt / "buffer.json")))
+        cursors = checkpoint.read_json(ckpt / "searchers.json")
+        ray.get([s.load_state_dict.remote(c) for s, c in zip(self.searchers, cursors)])
+        self.state = RunState(**driver)
+        self._publish(step)
+        ray.get(self.buffer.sync.remote(max(0, step - self.cadence.sync_period)))
+        return self.state
+
+    def start_searchers(self) -> None:
+        """Async mode: start every searcher's endless loop now (they fill the buffer during the first eval)."""
+        if self.cfg.run.mode == "async":
+            self.searchers.start()
+
+    def train(self, progress=None) -> RunState:
+        """Run until ``trainer.max_steps``; returns the run state.
+
+        Ctrl-C / SIGTERM (KeyboardInterrupt) and :class:`TooManySkippedSteps` save a checkpoint first (after
+        recording a trainer step already in flight, so trainer and driver agree), then propagate.
+        """
+        self._t0 = time.monotonic()
+        try:
+            self._loop(progress)
+        except (KeyboardInterrupt, TooManySkippedSteps):
+            self._finish_inflight()
+            if self.state.step > 0:
+                log.warning("saving a checkpoint (Ctrl-C again: quit without)")
+                path = self.save_checkpoint()
+                log.warning("saved checkpoint at step %d to %s (resume: tba train --resume %s)",
+                            self.state.step, path, self.run_dir)
+            raise
+        ray.get(self.buffer.set_stop.remote())
+        return self.state
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _loop(self, progress) -> None:
+        c, st = self.cfg, self.state
+        if c.run.mode == "async":
+            self._wait_for_fill()
+            if st.step == 0:
+                ray.get(self.buffer.sync.remote(0))
+        while st.step < c.trainer.max_steps:
+            t_iter = time.monotonic()
+            self._generate()
+            self._inflight = self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
+                                                           c.trainer.group_size)
+            metrics = ray.get(self._inflight)
+            if metrics is None:  # cannot happen after the fill (samples are never removed below it)
+                self._inflight = None
+                time.sleep(0.1)
+                continue
+            if self.cadence.publish_due(st.step + 1):
+                self._publish(st.step + 1)
+                ray.get(self.buffer.sync.remote(st.step + 1 - self.cadence.sync_period))
+            self._record(metrics, progress, time.monotonic() - t_iter)
+            self._after_step(metrics)
+
+    def _generate(self) -> None:
+        """Sync mode: one batch per searcher with the current weights, made the recent set. Async mode:
+        searchers generate on their own; restart any that died."""
+        if self.cfg.run.mode == "sync":
+            ray.get([s.run.remote(self.buffer, 1) for s in self.searchers])
+            ray.get(self.buffer.sync.remote(self.state.step))  # only what this step's policy generated
+        else:
+            self.state.searcher_restarts += self.searchers.restart_dead()
+
+    def _publish(self, version: int) -> None:
+        refs = ray.get(self.trainer.publish.remote())
+        ray.get(self.buffer.publish.remote(version, refs))
+
+    def _record(self, metrics: dict, progress, loop_s: float) -> None:
+        """Count and log one trainer step; ``loop_s``: wall seconds of its loop iteration (generation in sync
+        mode, the step, weight publication), for ``perf/trainer_idle_frac``."""
+        st = self.state
+        st.step += 1
+        self._inflight = None
+        metrics = {**ray.get(self.buffer.stats.remote()), **metrics,
+                   "searcher/restarts": float(st.searcher_restarts), "perf/elapsed_s": time.monotonic() - self._t0}
+        st.record(metrics, loop_s)
+        metrics["perf/trainer_idle_frac"] = st.trainer_idle_frac
+        self.on_metrics(st.step, metrics)
+        if progress is not None:
+            progress(st.step, metrics)
+
+    def _after_step(self, metrics: dict) -> None:
+        """What the cadence asks for after a recorded step: a mid-run eval, the skip limit, a checkpoint."""
+        st = self.state
+        if self.cadence.eval_due(st.step):
+            result = self.evaluate()
+            self.on_metrics(st.step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
+        st.consecutive_skips = self.cadence.count_skip(st.consecutive_skips, bool(metrics.get("train/skipped")))
+        if self.cadence.checkpoint_due(st.step):
+            self.save_checkpoint()
+
+    def _finish_inflight(self) -> None:
+        """After an interrupt: wait for the trainer step already sent (the trainer finishes it regardless)
+        and record it, so the checkpoint's trainer and driver steps agree."""
+        if self._inflight is None:
+            return
+        metrics = ray.get(self._inflight)
+        if metrics is not None and ray.get(self.trainer.step_count.remote()) > self.state.step:
+            self._record(metrics, None, 0.0)
+        self._inflight = None
+
+    def _wait_for_fill(self) -> None:
+        deadline = time.monotonic() + self.cfg.run.startup_timeout_s
+        while True:
+            self.state.searcher_restarts += self.searchers.restart_dead()
+            size = ray.get(self.buffer.stats.remote(False))["buffer/size"]
+            if size >= self.cfg.buffer.min_fill:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"buffer holds {int(size)} samples after {self.cfg.run.startup_timeout_s:g} s, "
+                                   f"below buffer.min_fill={self.cfg.buffer.min_fill}; lower it or raise "
+                                   "run.startup_timeout_s")
+            time.sleep(0.5)

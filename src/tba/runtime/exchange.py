@@ -1,0 +1,63 @@
+"""What searchers and the trainer exchange through the buffer actor, as plain objects (no Ray).
+
+The buffer actor holds the replay buffer, a :class:`WeightBoard` and a :class:`SearcherMetrics`, so one
+round trip of a searcher both delivers its samples and fetches newer weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WeightBoard:
+    """The newest published policy version and its handle (an object-store reference, opaque here)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.handle: Any = None
+
+    def publish(self, version: int, handle: Any) -> None:
+        """Make ``handle`` the weights of policy ``version`` (trainer steps taken when they were published)."""
+        self.version, self.handle = version, handle
+
+    def newer_than(self, version: int) -> Any:
+        """The handle if a version newer than ``version`` is published, else None."""
+        return self.handle if self.version > version else None
+
+
+class SearcherMetrics:
+    """Counters over the run and searcher metrics averaged between two drains (one per trainer step)."""
+
+    def __init__(self) -> None:
+        self.samples_added = 0
+        self.reward_failures = 0
+        self.versions: dict[int, int] = {}  # searcher id -> policy version it generated its last batch with
+        self._pending: dict[str, list[float]] = {}
+
+    def add(self, n_samples: int, metrics: dict[str, float], searcher_id: int, version: int) -> None:
+        """Count one searcher batch of ``n_samples`` with its ``searcher/*`` metrics."""
+        self.samples_added += n_samples
+        self.reward_failures += int(metrics.get("searcher/reward_failures", 0))
+        self.versions[searcher_id] = version
+        for k, v in metrics.items():
+            self._pending.setdefault(k, []).append(v)
+
+    def summary(self, drain: bool) -> dict[str, float]:
+        """Run counters, the oldest/newest searcher policy version, and each metric's mean since the last
+        drain (emptied when ``drain``)."""
+        out = {"buffer/samples_added": float(self.samples_added),
+               "searcher/reward_failures_total": float(self.reward_failures),
+               "searcher/min_version": float(min(self.versions.values(), default=0)),
+               "searcher/max_version": float(max(self.versions.values(), default=0))}
+        out.update({k: sum(vs) / len(vs) for k, vs in self._pending.items() if vs})
+        if drain:
+            self._pending = {}
+        return out
+
+    def state_dict(self) -> dict:
+        """Run counters (JSON-safe) for checkpoints."""
+        return {"samples_added": self.samples_added, "reward_failures": self.reward_failures}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`."""
+        self.samples_added, self.reward_failures = state["samples_added"], state["reward_failures"]
