@@ -67,15 +67,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import logging
 import os
 import shutil
 import signal
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when this file is loaded by path
+from _common import error_line, parse_sets, pyplot, save_figure, warnings_only_logging
 
 ALL_OBJECTIVES = ("tb", "rloo", "grpo", "online_dpo")
 DEFAULT_SYNC_PERIODS = (1, 4, 16)
@@ -220,17 +223,14 @@ def format_table(rows: list[dict], base: float | None = None) -> str:
     if base is not None:
         notes.append(f"Base model accuracy (before training): {base:.3f}.")
     if multi:
-        notes.append("WARNING: results.jsonl mixes several setups (steps / config / --set); compare rows of one setup only.")
+        notes.append("WARNING: results.jsonl mixes several setups (steps / config / --set); "
+                     "compare rows of one setup only.")
     return "\n".join(lines) + ("\n\n" + "\n".join(notes) if notes else "") + "\n"
 
 
 def plot(rows: list[dict], base: float | None, path: Path) -> Path:
     """Accuracy vs mean staleness, one line per objective (tb split by m), base accuracy dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[str, list[dict]] = {}
     for r in rows:
@@ -255,11 +255,7 @@ def plot(rows: list[dict], base: float | None, path: Path) -> Path:
                  fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def report(out: Path) -> str:
@@ -283,17 +279,64 @@ def report(out: Path) -> str:
 
 # -- running -----------------------------------------------------------------------------------------
 
-def _parse_sets(items: list[str]) -> dict[str, Any]:
-    from tba.config import parse_assignments
+def previous_results(results_path: Path, setup: str) -> tuple[list[dict], set[tuple], dict[int, float]]:
+    """What ``results.jsonl`` already holds: its records, the keys of the finished cells, and the base
+    accuracy per seed measured by a cell of this setup."""
+    previous = read_results(results_path)
+    done = {cell_key(r) for r in previous if not r.get("error")}
+    base_by_seed = {int(r["seed"]): r["base_accuracy"] for r in previous
+                    if r.get("setup") == setup and r.get("base_accuracy") is not None and r.get("base_measured")}
+    return previous, done, base_by_seed
 
-    return parse_assignments(items, "--set")
+
+def cell_overrides(extra: dict, c: dict, steps: int, eval_size: int, run_dir: Path, measure_base: bool) -> dict:
+    """The config overrides of one cell: the study's ``extra`` plus the cell's objective, k, m and seed."""
+    return {**extra, "loss.name": c["objective"], "trainer.sync_period": c["k"],
+            "buffer.on_policy_prob": c["m"], "run.seed": c["seed"], "trainer.max_steps": steps,
+            "task.eval_size": eval_size, "run.output_dir": str(run_dir), "run.mode": "async",
+            "run.eval_before": measure_base, "run.eval_after": True}
 
 
-def run_study(args) -> int:
+def cell_outcome(s: dict, base: float | None, measure_base: bool) -> dict:
+    """The result fields of a finished cell, from ``run_train``'s summary ``s``."""
+    after = s.get("eval_after", {})
+    return {
+        "accuracy": after.get("accuracy"), "stderr": after.get("stderr"), "n_eval": after.get("n"),
+        "base_accuracy": base, "base_measured": measure_base,
+        "staleness_mean": s["staleness_mean"], "staleness_max": s["staleness_max"],
+        "train_wall_s": s["train_wall_s"], "wall_s": s["wall_s"], "trainer_steps": s["trainer_steps"],
+        "samples_generated": s["samples_generated"], "searcher_max_version": s["searcher_max_version"],
+    }
+
+
+def run_cell(args, c: dict, rec: dict, overrides: dict, results_path: Path, base_by_seed: dict[int, float],
+             measure_base: bool) -> None:
+    """Train one cell and append its record (or its error) to ``results_path``; ``base_by_seed`` gets the
+    seed's base accuracy if this cell measured it. KeyboardInterrupt passes through."""
     from tba.cli import run_train
     from tba.config import load_config
 
-    extra = {**BENCH_DEFAULTS, **_parse_sets(args.set)}
+    try:
+        s = run_train(load_config(args.config, overrides), show_progress=False)
+    except Exception as e:  # noqa: BLE001 - record the failure, keep going with the other cells
+        err = error_line(e, -1)
+        print(f"  cell failed: {err}", file=sys.stderr, flush=True)
+        append_result(results_path, {**rec, "error": err})
+        return
+    if measure_base and "eval_before" in s:
+        base_by_seed[c["seed"]] = s["eval_before"].get("accuracy")
+    rec.update(cell_outcome(s, base_by_seed.get(c["seed"]), measure_base))
+    append_result(results_path, rec)
+    print(f"  accuracy {rec['accuracy']:.3f} (base {rec['base_accuracy']}), staleness mean "
+          f"{rec['staleness_mean']:.2f} max {rec['staleness_max']:.0f}, train {rec['train_wall_s']:.0f} s",
+          flush=True)
+
+
+def run_study(args) -> int:
+    """Run every cell not yet done (with ``--resume-results``), then print and write the report."""
+    from tba.config import load_config
+
+    extra = {**BENCH_DEFAULTS, **parse_sets(args.set)}
     base_cfg = load_config(args.config, extra)  # validates --set before any model loads
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -303,10 +346,7 @@ def run_study(args) -> int:
     setup = setup_id(args.config, steps, eval_size, extra)
     cells = plan_cells(args.objectives, args.sync_periods, args.m_values, args.seeds, base_cfg.buffer.on_policy_prob)
 
-    previous = read_results(results_path)
-    done = {cell_key(r) for r in previous if not r.get("error")}
-    base_by_seed = {int(r["seed"]): r["base_accuracy"] for r in previous
-                    if r.get("setup") == setup and r.get("base_accuracy") is not None and r.get("base_measured")}
+    previous, done, base_by_seed = previous_results(results_path, setup)
     if previous and not args.resume_results:
         print(f"note: {results_path} already has {len(previous)} records; new records are appended "
               "(use --resume-results to skip finished cells)", flush=True)
@@ -323,39 +363,17 @@ def run_study(args) -> int:
         if run_dir.exists():
             shutil.rmtree(run_dir)  # a fresh run: metrics.jsonl would otherwise be appended to
         measure_base = c["seed"] not in base_by_seed
-        overrides = {**extra, "loss.name": c["objective"], "trainer.sync_period": c["k"],
-                     "buffer.on_policy_prob": c["m"], "run.seed": c["seed"], "trainer.max_steps": steps,
-                     "task.eval_size": eval_size, "run.output_dir": str(run_dir), "run.mode": "async",
-                     "run.eval_before": measure_base, "run.eval_after": True}
+        overrides = cell_overrides(extra, c, steps, eval_size, run_dir, measure_base)
         print(f"[{i}/{len(cells)}] {cell_name(c)} (elapsed {time.monotonic() - t0:.0f} s)", flush=True)
         rec: dict[str, Any] = {**c, "steps": steps, "eval_size": eval_size, "setup": setup, "config": args.config,
                                "overrides": {k: v for k, v in extra.items()}, "run_dir": str(run_dir),
                                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         try:
-            s = run_train(load_config(args.config, overrides), show_progress=False)
+            run_cell(args, c, rec, overrides, results_path, base_by_seed, measure_base)
         except KeyboardInterrupt:
             print("\ninterrupted; finished cells are in results.jsonl (continue with --resume-results)",
                   file=sys.stderr)
             return 130
-        except Exception as e:  # noqa: BLE001 - record the failure, keep going with the other cells
-            msg = (str(e).strip().splitlines() or [""])[-1]
-            print(f"  cell failed: {type(e).__name__}: {msg}", file=sys.stderr, flush=True)
-            append_result(results_path, {**rec, "error": f"{type(e).__name__}: {msg}"})
-            continue
-        after = s.get("eval_after", {})
-        if measure_base and "eval_before" in s:
-            base_by_seed[c["seed"]] = s["eval_before"].get("accuracy")
-        rec.update({
-            "accuracy": after.get("accuracy"), "stderr": after.get("stderr"), "n_eval": after.get("n"),
-            "base_accuracy": base_by_seed.get(c["seed"]), "base_measured": measure_base,
-            "staleness_mean": s["staleness_mean"], "staleness_max": s["staleness_max"],
-            "train_wall_s": s["train_wall_s"], "wall_s": s["wall_s"], "trainer_steps": s["trainer_steps"],
-            "samples_generated": s["samples_generated"], "searcher_max_version": s["searcher_max_version"],
-        })
-        append_result(results_path, rec)
-        print(f"  accuracy {rec['accuracy']:.3f} (base {rec['base_accuracy']}), staleness mean "
-              f"{rec['staleness_mean']:.2f} max {rec['staleness_max']:.0f}, train {rec['train_wall_s']:.0f} s",
-              flush=True)
     print(f"study finished in {time.monotonic() - t0:.0f} s\n", flush=True)
     print(report(out), flush=True)
     return 0
@@ -372,7 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None,
                    help="trainer steps per cell (the per-cell budget); default: the config's trainer.max_steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="run.seed values (default: 0 1)")
-    p.add_argument("--objectives", nargs="+", default=list(ALL_OBJECTIVES), choices=ALL_OBJECTIVES + ("dr_grpo", "ppo_clip"),
+    p.add_argument("--objectives", nargs="+", default=list(ALL_OBJECTIVES),
+                   choices=ALL_OBJECTIVES + ("dr_grpo", "ppo_clip"),
                    help="loss.name values (default: tb rloo grpo online_dpo)")
     p.add_argument("--sync-periods", type=int, nargs="+", default=list(DEFAULT_SYNC_PERIODS),
                    help="trainer.sync_period values k (default: 1 4 16)")
@@ -398,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         print(report(out))
         return 0
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings_only_logging()
     signal.signal(signal.SIGTERM, _raise_interrupt)
     from tba.config import ConfigError
 

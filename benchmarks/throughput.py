@@ -27,8 +27,8 @@ b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf
    prefill FLOPs are not).
 c. **Trainer**: ``tba.trainer.Trainer.step`` on a quickstart-sized batch: B = 4 prompts x K = 8 responses,
    real quickstart prompts (~54 tokens) and ~16-token responses (random token ids, lengths 12-20; the
-   compute does not depend on the content), float32 master weights under bf16 autocast (what
-   ``runtime/build.py`` builds), ``micro_batch_size`` 32; the same batch twice: as it comes (the K
+   compute does not depend on the content), float32 master weights under bf16 autocast (as tba's runtime
+   builds its trainer), ``micro_batch_size`` 32; the same batch twice: as it comes (the K
    responses of a prompt share one prompt pass, ``tba.models.token_logprobs``) and with 32 distinct prompts
    of the same lengths (every row computed in full), side by side. Trained tokens/s counts prompt +
    response tokens of every sample (as ``perf/train_tokens_per_s`` does); MFU = 6 x params x computed
@@ -38,8 +38,9 @@ d. **Weight publication latency**: real Ray (``ray.init(address="local", num_cpu
    dashboard). A "trainer" actor holds the float32 policy inside a real ``Trainer`` and publishes the way
    ``TrainerActor.publish`` does (``Trainer.publish_weights(generation dtype)``: one packed byte buffer, tied
    weights once, then ``ray.put``, the ref wrapped in a list); a "searcher" actor gets the ref and
-   ``load_packed_weights`` into its bf16 copy (what ``Searcher.load_weights`` does). Latency = driver wall time from the publish call to the
-   searcher's model having loaded the weights (median over ``--publish-repeats``), with the split into
+   ``load_packed_weights`` into its bf16 copy (what ``Searcher.load_weights`` does). Latency = driver wall
+   time from the publish call to the searcher's model having loaded the weights (median over
+   ``--publish-repeats``), with the split into
    publish (copy + put), fetch (``ray.get``) and load. Not included: the buffer actor's hop and the time a
    searcher spends finishing its current generation batch before it looks for new weights (by design it
    never waits).
@@ -69,17 +70,18 @@ shared with other jobs use ``--threads 1``: multi-threaded torch stalls when its
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import random
-import resource
 import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when this file is loaded by path
+from _common import command_line, peak_rss_mib, pick_device, quiet_env, write_json
 
 #: issue 4 targets, printed next to the measurements
 TARGETS = {"gen_speedup": 3.0, "mfu": 0.30, "publish_s": 1.0}
@@ -99,12 +101,6 @@ def _median_time(fn, repeats: int, device: str) -> tuple[float, list[float]]:
         _sync(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), times
-
-
-def _rss_mib() -> float:
-    """Peak resident set size of this process, MiB (Linux reports KiB)."""
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
 # -- a. machine peak ---------------------------------------------------------------------------------
@@ -171,7 +167,7 @@ def bench_generation(model, tok, prompts: list[list[int]], batch_sizes: list[int
 def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, mode, temperature,
                             repeats, device, params, peak, refill_batches) -> dict:
     n_prompts = max(1, bs // k)
-    kk = bs if bs < k else k
+    kk = min(k, bs)
     # continuous: refill_batches batches' worth of prompts, at most bs responses decoding at once; generate
     # takes them a batch at a time (its batch cannot take new rows)
     chunks = refill_batches if mode == "continuous" else 1
@@ -201,18 +197,36 @@ def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max
         return sum(lens)
 
     run_engine(), run_generate()  # warm-up each
-    samples = {"engine": [], "generate": []}
     first_peak = len(peak.samples)
+    samples = _time_interleaved({"engine": run_engine, "generate": run_generate}, repeats, device, peak)
+    row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new,
+           "mode": mode, "workload_prompts": len(all_prompts), "peak_flops_per_s": peak.since(first_peak)}
+    _add_generation_results(row, samples, lengths, params)
+    print(f"  generation batch {row['batch']} ({mode}): engine "
+          f"{row['engine_tokens_per_s']:.1f} tok/s, generate {row['generate_tokens_per_s']:.1f} tok/s, "
+          f"speed-up {row['speedup']:.2f}x", flush=True)
+    return row
+
+
+def _time_interleaved(fns: dict, repeats: int, device: str, peak: PeakSampler) -> dict[str, list[float]]:
+    """``repeats`` rounds of one peak sample, then each of ``fns`` (name -> call returning its token count)
+    in turn; tokens/s of every call, per name."""
+    samples = {name: [] for name in fns}
     for _ in range(repeats):
         peak.sample()
-        for name, fn in (("engine", run_engine), ("generate", run_generate)):
+        for name, fn in fns.items():
             _sync(device)
             t0 = time.perf_counter()
             n_tok = fn()
             _sync(device)
             samples[name].append(n_tok / (time.perf_counter() - t0))
-    row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new,
-           "mode": mode, "workload_prompts": len(all_prompts), "peak_flops_per_s": peak.since(first_peak)}
+    return samples
+
+
+def _add_generation_results(row: dict, samples: dict, lengths: dict, params: int) -> None:
+    """Medians, fraction of peak, whether lengths were forced and mean lengths (warm-up call excluded) of
+    the engine and ``generate``, and the engine's speed-up, into ``row``."""
+    max_new = row["max_new_tokens"]
     for name in ("engine", "generate"):
         tps = statistics.median(samples[name])
         row[f"{name}_tokens_per_s"] = tps
@@ -221,10 +235,6 @@ def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max
         row[f"{name}_forced_length"] = all(x == max_new for lens in lengths[name] for x in lens)
         row[f"{name}_response_len_mean"] = statistics.fmean(x for lens in lengths[name][1:] for x in lens)
     row["speedup"] = row["engine_tokens_per_s"] / row["generate_tokens_per_s"]
-    print(f"  generation batch {row['batch']} ({mode}): engine "
-          f"{row['engine_tokens_per_s']:.1f} tok/s, generate {row['generate_tokens_per_s']:.1f} tok/s, "
-          f"speed-up {row['speedup']:.2f}x", flush=True)
-    return row
 
 
 # -- c. trainer --------------------------------------------------------------------------------------
@@ -252,6 +262,7 @@ def make_batch(prompts: list[list[int]], b: int, k: int, resp_len: int, vocab: i
 
 def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int, b: int, k: int, resp_len: int,
                   device: str, compute_dtype: torch.dtype, peak: PeakSampler) -> dict:
+    from tba.config import LossConfig, TrainerConfig
     from tba.models import load_causal_lm, load_tokenizer
     from tba.trainer import Trainer
 
@@ -259,63 +270,73 @@ def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int
     model = load_causal_lm(policy_path, torch.float32, layers).to(device)
     params = sum(p.numel() for p in model.parameters())
     t = cfg.trainer
-    trainer = Trainer(model, tok.pad_token_id, temperature=cfg.searcher.temperature, lr=t.lr,
-                      lr_schedule="constant", total_steps=steps + 1, micro_batch_size=t.micro_batch_size,
-                      beta_start=t.beta_start, beta_end=t.beta_end, beta_anneal_steps=t.beta_anneal_steps,
+    # the config's learning rate, micro batch and beta schedule, held constant (no warmup or decay); the rest
+    # at the TrainerConfig / LossConfig defaults (objective tb, no weight decay, gradient clip 1.0)
+    trainer_cfg = TrainerConfig(lr=t.lr, lr_schedule="constant", max_steps=steps + 1,
+                                micro_batch_size=t.micro_batch_size, beta_start=t.beta_start, beta_end=t.beta_end,
+                                beta_anneal_steps=t.beta_anneal_steps)
+    trainer = Trainer(model, tok.pad_token_id, trainer_cfg, LossConfig(), temperature=cfg.searcher.temperature,
                       autocast_dtype=compute_dtype if compute_dtype != torch.float32 else None)
     res = {"batch": f"{b}x{k}", "micro_batch_size": t.micro_batch_size,
            "autocast": str(compute_dtype).replace("torch.", ""), "params": params}
     for name, distinct in (("shared", False), ("full", True)):
         batch = make_batch(prompts, b, k, resp_len, model.config.vocab_size, tok.eos_token_id, seed=0,
                            distinct=distinct)
-        n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
-        # what the forward/backward passes compute: each distinct prompt once, every response
-        computed = (sum(len(p) for p in {tuple(s.prompt_ids) for s in batch.samples})
-                    + sum(len(s.response_ids) for s in batch.samples))
-        trainer.step(batch)  # warm-up
-        times = []
-        first_peak = len(peak.samples)
-        for _ in range(steps):
-            peak.sample()
-            _sync(device)
-            t0 = time.perf_counter()
-            trainer.step(batch)
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        step_s = statistics.median(times)
-        r = {"tokens_per_step": n_tokens, "computed_tokens_per_step": computed, "step_s": step_s,
-             "all_step_s": times, "tokens_per_s": n_tokens / step_s, "peak_flops_per_s": peak.since(first_peak),
-             "prompt_len_mean": statistics.fmean(len(s.prompt_ids) for s in batch.samples),
-             "response_len_mean": statistics.fmean(len(s.response_ids) for s in batch.samples)}
-        r["mfu"] = 6 * params * computed / step_s / r["peak_flops_per_s"]
-        res[name] = r
-        print(f"  trainer ({name} prompts): {step_s:.3f} s/step, {r['tokens_per_s']:.0f} tok/s, "
+        r = res[name] = _time_trainer_steps(trainer, batch, steps, device, params, peak)
+        print(f"  trainer ({name} prompts): {r['step_s']:.3f} s/step, {r['tokens_per_s']:.0f} tok/s, "
               f"MFU {r['mfu']:.1%}", flush=True)
     res["shared_speedup"] = res["full"]["step_s"] / res["shared"]["step_s"]
     del trainer, model
     return res
 
 
+def _time_trainer_steps(trainer, batch, steps: int, device: str, params: int, peak: PeakSampler) -> dict:
+    """One warm-up step, then ``steps`` timed steps on ``batch`` (a peak sample before each): the median step
+    time, trained and computed tokens, and MFU."""
+    n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
+    # what the forward/backward passes compute: each distinct prompt once, every response
+    computed = (sum(len(p) for p in {tuple(s.prompt_ids) for s in batch.samples})
+                + sum(len(s.response_ids) for s in batch.samples))
+    trainer.step(batch)  # warm-up
+    times = []
+    first_peak = len(peak.samples)
+    for _ in range(steps):
+        peak.sample()
+        _sync(device)
+        t0 = time.perf_counter()
+        trainer.step(batch)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    step_s = statistics.median(times)
+    r = {"tokens_per_step": n_tokens, "computed_tokens_per_step": computed, "step_s": step_s,
+         "all_step_s": times, "tokens_per_s": n_tokens / step_s, "peak_flops_per_s": peak.since(first_peak),
+         "prompt_len_mean": statistics.fmean(len(s.prompt_ids) for s in batch.samples),
+         "response_len_mean": statistics.fmean(len(s.response_ids) for s in batch.samples)}
+    r["mfu"] = 6 * params * computed / step_s / r["peak_flops_per_s"]
+    return r
+
+
 # -- d. weight publication ---------------------------------------------------------------------------
 
-def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, repeats: int,
-                  num_cpus: int) -> dict:
-    import ray
-
-    from tba.runtime.ray import _loopback_only
+def _publish_actors(ray):
+    """The benchmark's two Ray actor classes. Defined inside a function, so that Ray ships them to its
+    workers by value; ``peak_rss_mib`` travels by reference (Ray puts this script's folder, where
+    ``_common`` lives, on its workers' path)."""
 
     @ray.remote
     class Publisher:
         """Stands in for TrainerActor: a real Trainer over float32 master weights."""
 
         def __init__(self, path, layers):
+            from tba.config import LossConfig, TrainerConfig
             from tba.models import load_causal_lm
             from tba.runtime.build import quiet_libraries
             from tba.trainer import Trainer
 
             quiet_libraries()
             torch.set_num_threads(1)
-            self.trainer = Trainer(load_causal_lm(path, torch.float32, layers), 0)
+            model = load_causal_lm(path, torch.float32, layers)
+            self.trainer = Trainer(model, 0, TrainerConfig(), LossConfig(), temperature=0.7)
 
         def publish(self, dtype):
             t0 = time.perf_counter()
@@ -323,7 +344,7 @@ def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, 
             return [ref], time.perf_counter() - t0
 
         def rss_mib(self):
-            return _rss_mib()
+            return peak_rss_mib()
 
     @ray.remote
     class Loader:
@@ -347,34 +368,59 @@ def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, 
             return t1 - t0, time.perf_counter() - t1, packed.data.nbytes
 
         def rss_mib(self):
-            return _rss_mib()
+            return peak_rss_mib()
 
-    _loopback_only()
+    return Publisher, Loader
+
+
+def _start_ray(num_cpus: int) -> float:
+    """A local Ray on loopback only, without dashboard, as tba's runtime starts it; returns ray.init's seconds."""
+    import ray
+
+    from tba.runtime.bootstrap import loopback_only
+
+    loopback_only()
     t_init = time.perf_counter()
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              logging_level=logging.WARNING,
              runtime_env={"env_vars": {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}})
-    init_s = time.perf_counter() - t_init
+    return time.perf_counter() - t_init
+
+
+def _time_publications(pub, loader, gen_dtype: torch.dtype, repeats: int) -> dict:
+    """``repeats`` + 1 rounds of publish -> load (the first is a warm-up): bytes and the median seconds of
+    the whole round and of its parts."""
+    import ray
+
+    totals, puts, gets, loads = [], [], [], []
+    nbytes = 0
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        refs, put_s = ray.get(pub.publish.remote(gen_dtype))
+        get_s, load_s, nbytes = ray.get(loader.load.remote(refs))
+        total = time.perf_counter() - t0
+        del refs
+        if i == 0:
+            continue  # warm-up
+        totals.append(total), puts.append(put_s), gets.append(get_s), loads.append(load_s)
+    return {"bytes": nbytes, "median_s": statistics.median(totals), "all_s": totals,
+            "publish_median_s": statistics.median(puts), "fetch_median_s": statistics.median(gets),
+            "load_median_s": statistics.median(loads)}
+
+
+def bench_publish(policy_path: str, layers: int | None, gen_dtype: torch.dtype, repeats: int,
+                  num_cpus: int) -> dict:
+    import ray
+
+    publisher_cls, loader_cls = _publish_actors(ray)
+    init_s = _start_ray(num_cpus)
     try:
-        pub = Publisher.options(num_cpus=1).remote(policy_path, layers)
-        loader = Loader.options(num_cpus=1).remote(policy_path, layers, gen_dtype)
+        pub = publisher_cls.options(num_cpus=1).remote(policy_path, layers)
+        loader = loader_cls.options(num_cpus=1).remote(policy_path, layers, gen_dtype)
         ray.get([pub.rss_mib.remote(), loader.rss_mib.remote()])  # both constructed
-        totals, puts, gets, loads = [], [], [], []
-        nbytes = 0
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            refs, put_s = ray.get(pub.publish.remote(gen_dtype))
-            get_s, load_s, nbytes = ray.get(loader.load.remote(refs))
-            total = time.perf_counter() - t0
-            del refs
-            if i == 0:
-                continue  # warm-up
-            totals.append(total), puts.append(put_s), gets.append(get_s), loads.append(load_s)
-        res = {"ray_init_s": init_s, "bytes": nbytes, "dtype": str(gen_dtype).replace("torch.", ""),
-               "median_s": statistics.median(totals), "all_s": totals,
-               "publish_median_s": statistics.median(puts), "fetch_median_s": statistics.median(gets),
-               "load_median_s": statistics.median(loads),
-               "trainer_actor_rss_mib": ray.get(pub.rss_mib.remote()),
+        timed = _time_publications(pub, loader, gen_dtype, repeats)
+        res = {"ray_init_s": init_s, "bytes": timed.pop("bytes"), "dtype": str(gen_dtype).replace("torch.", ""),
+               **timed, "trainer_actor_rss_mib": ray.get(pub.rss_mib.remote()),
                "searcher_actor_rss_mib": ray.get(loader.rss_mib.remote())}
     finally:
         ray.shutdown()
@@ -394,9 +440,9 @@ def _si(x: float, unit: str) -> str:
 def format_report(r: dict) -> str:
     m = r["meta"]
     lines = [f"# Throughput ({m['time']})", "",
-             f"Model `{m['model']}`{' cut to ' + str(m['layers']) + ' layers' if m['layers'] else ''}: "
-             f"{m['params'] / 1e6:.1f}M params; device {m['device']}, {m['threads']} torch threads; "
-             f"torch {m['torch']}, transformers {m['transformers']}. Medians over repeats, measured in one run.",
+             (f"Model `{m['model']}`{' cut to ' + str(m['layers']) + ' layers' if m['layers'] else ''}: "
+              f"{m['params'] / 1e6:.1f}M params; device {m['device']}, {m['threads']} torch threads; "
+              f"torch {m['torch']}, transformers {m['transformers']}. Medians over repeats, measured in one run."),
              "", "| quantity | measured | target (issue 4) |", "|---|---|---|"]
     pk = r["peak"]
     lines.append(f"| matmul peak bf16 ({pk['bf16']['n']}^3; median of {len(pk['bf16']['all_flops_per_s'])} samples "
@@ -404,52 +450,66 @@ def format_report(r: dict) -> str:
                  f"{_si(max(pk['bf16']['all_flops_per_s']), '')}) | {_si(pk['bf16']['flops_per_s'], 'FLOP/s')} | |")
     lines.append(f"| matmul peak fp32 ({pk['fp32']['n']}^3) | {_si(pk['fp32']['flops_per_s'], 'FLOP/s')} | |")
     for g in r["generation"]:
-        if g["mode"] == "forced":
-            how = "every response forced to" if g["engine_forced_length"] and g["generate_forced_length"] \
-                else "LENGTHS NOT FORCED, up to"
-        else:
-            how = (f"natural lengths (EOS): mean {g['engine_response_len_mean']:.1f} / "
-                   f"{g['generate_response_len_mean']:.1f} of up to")
-        if g["mode"] == "continuous":
-            how = (f"{g['workload_prompts']} prompts x {g['samples_per_prompt']}, at most {g['batch']} decoding at "
-                   f"once (generate: {g['workload_prompts'] // g['prompts']} calls), {how}")
-        else:
-            how = f"{g['prompts']}x{g['samples_per_prompt']}, {how}"
-        lines.append(f"| generation batch {g['batch']} ({how} {g['max_new_tokens']} new tokens): "
-                     f"engine / `model.generate` tok/s | "
-                     f"{g['engine_tokens_per_s']:.1f} / {g['generate_tokens_per_s']:.1f} | |")
-        regime = {"forced": "forced lengths", "natural": "natural lengths",
-                  "continuous": "natural lengths, continuous batching"}[g["mode"]]
-        lines.append(f"| **engine speed-up over `model.generate`, batch {g['batch']}, "
-                     f"{regime}** | **{g['speedup']:.2f}x** | "
-                     f"{'>= 3x (batch 32+)' if g['batch'] >= 32 else ''} |")
-        lines.append(f"| generation fraction of bf16 peak, batch {g['batch']}: engine / generate (peak sampled "
-                     f"between the calls: {_si(g['peak_flops_per_s'], 'FLOP/s')}) | "
-                     f"{g['engine_frac_peak']:.2%} / {g['generate_frac_peak']:.2%} | |")
-    t = r.get("trainer")
-    if t:
-        sh, fu = t["shared"], t["full"]
-        lines.append(f"| trainer step ({t['batch']}, prompts ~{sh['prompt_len_mean']:.0f} + responses "
-                     f"~{sh['response_len_mean']:.0f} tokens, {t['autocast']} autocast): one pass per prompt / "
-                     f"every row in full | {sh['step_s']:.3f} / {fu['step_s']:.3f} s | |")
-        lines.append(f"| trainer speed-up from one pass per prompt | {t['shared_speedup']:.2f}x | |")
-        lines.append(f"| trained tokens/s (prompt + response of every sample, {sh['tokens_per_step']} per step) | "
-                     f"{sh['tokens_per_s']:.0f} | |")
-        lines.append(f"| **trainer MFU** (6 x params x computed tokens/s / bf16 peak sampled between the steps: "
-                     f"{_si(sh['peak_flops_per_s'], 'FLOP/s')}; computed: each prompt once, "
-                     f"{sh['computed_tokens_per_step']} per step) / same, every row in full | "
-                     f"**{sh['mfu']:.1%}** / {fu['mfu']:.1%} | >= 30% |")
+        lines += _generation_lines(g)
+    if r.get("trainer"):
+        lines += _trainer_lines(r["trainer"])
     p = r.get("publish")
     if p:
-        lines.append(f"| **weight publication latency** (trainer publish -> searcher loaded, {p['bytes'] / 2**20:.0f} MiB "
-                     f"{p['dtype']}) | **{p['median_s']:.3f} s** | < 1 s |")
-        lines.append(f"| of which publish (copy + put) / fetch / load_state_dict | {p['publish_median_s']:.3f} / "
-                     f"{p['fetch_median_s']:.3f} / {p['load_median_s']:.3f} s | |")
+        lines += _publish_lines(p)
+    actors = f" / {p['trainer_actor_rss_mib']:.0f} / {p['searcher_actor_rss_mib']:.0f}" if p else ""
     lines.append(f"| peak RSS: this process{' / trainer actor / searcher actor' if p else ''} | "
-                 f"{r['rss_mib']:.0f}{' / %.0f / %.0f' % (p['trainer_actor_rss_mib'], p['searcher_actor_rss_mib']) if p else ''} MiB | "
-                 "< 8 GiB in all |")
+                 f"{r['rss_mib']:.0f}{actors} MiB | < 8 GiB in all |")
     lines += ["", "Command: `" + m["command"] + "`", ""]
     return "\n".join(lines)
+
+
+def _generation_lines(g: dict) -> list[str]:
+    """Report rows of one generation setting (batch size and regime)."""
+    if g["mode"] == "forced":
+        how = "every response forced to" if g["engine_forced_length"] and g["generate_forced_length"] \
+            else "LENGTHS NOT FORCED, up to"
+    else:
+        how = (f"natural lengths (EOS): mean {g['engine_response_len_mean']:.1f} / "
+               f"{g['generate_response_len_mean']:.1f} of up to")
+    if g["mode"] == "continuous":
+        how = (f"{g['workload_prompts']} prompts x {g['samples_per_prompt']}, at most {g['batch']} decoding at "
+               f"once (generate: {g['workload_prompts'] // g['prompts']} calls), {how}")
+    else:
+        how = f"{g['prompts']}x{g['samples_per_prompt']}, {how}"
+    regime = {"forced": "forced lengths", "natural": "natural lengths",
+              "continuous": "natural lengths, continuous batching"}[g["mode"]]
+    return [(f"| generation batch {g['batch']} ({how} {g['max_new_tokens']} new tokens): "
+             f"engine / `model.generate` tok/s | "
+             f"{g['engine_tokens_per_s']:.1f} / {g['generate_tokens_per_s']:.1f} | |"),
+            (f"| **engine speed-up over `model.generate`, batch {g['batch']}, "
+             f"{regime}** | **{g['speedup']:.2f}x** | "
+             f"{'>= 3x (batch 32+)' if g['batch'] >= 32 else ''} |"),
+            (f"| generation fraction of bf16 peak, batch {g['batch']}: engine / generate (peak sampled "
+             f"between the calls: {_si(g['peak_flops_per_s'], 'FLOP/s')}) | "
+             f"{g['engine_frac_peak']:.2%} / {g['generate_frac_peak']:.2%} | |")]
+
+
+def _trainer_lines(t: dict) -> list[str]:
+    """Report rows of the trainer section."""
+    sh, fu = t["shared"], t["full"]
+    return [(f"| trainer step ({t['batch']}, prompts ~{sh['prompt_len_mean']:.0f} + responses "
+             f"~{sh['response_len_mean']:.0f} tokens, {t['autocast']} autocast): one pass per prompt / "
+             f"every row in full | {sh['step_s']:.3f} / {fu['step_s']:.3f} s | |"),
+            f"| trainer speed-up from one pass per prompt | {t['shared_speedup']:.2f}x | |",
+            (f"| trained tokens/s (prompt + response of every sample, {sh['tokens_per_step']} per step) | "
+             f"{sh['tokens_per_s']:.0f} | |"),
+            (f"| **trainer MFU** (6 x params x computed tokens/s / bf16 peak sampled between the steps: "
+             f"{_si(sh['peak_flops_per_s'], 'FLOP/s')}; computed: each prompt once, "
+             f"{sh['computed_tokens_per_step']} per step) / same, every row in full | "
+             f"**{sh['mfu']:.1%}** / {fu['mfu']:.1%} | >= 30% |")]
+
+
+def _publish_lines(p: dict) -> list[str]:
+    """Report rows of the weight publication section."""
+    return [(f"| **weight publication latency** (trainer publish -> searcher loaded, {p['bytes'] / 2**20:.0f} MiB "
+             f"{p['dtype']}) | **{p['median_s']:.3f} s** | < 1 s |"),
+            (f"| of which publish (copy + put) / fetch / load_state_dict | {p['publish_median_s']:.3f} / "
+             f"{p['fetch_median_s']:.3f} / {p['load_median_s']:.3f} s | |")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -475,47 +535,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import transformers
-
-    from tba.config import load_config
-    from tba.models import load_causal_lm, load_tokenizer, pick_dtype, prepare_model
-    from tba.runtime.build import quiet_libraries, task_from_config
-
-    quiet_libraries()
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    cfg = load_config(args.config, {"model.num_hidden_layers": args.layers} if args.layers else {})
-    max_new = args.max_new_tokens or cfg.searcher.max_new_tokens
-    gen_dtype = pick_dtype(cfg.model.dtype)
-
-    print(f"throughput benchmark: device {device}, {args.threads} threads", flush=True)
-    res: dict = {}
+def measure_peak(args, device: str) -> tuple[PeakSampler, dict]:
+    """Section a: the bf16 peak sampler (``--matmul-repeats`` first samples) and the fp32 peak."""
     print("a. matmul peak", flush=True)
     peak = PeakSampler(args.matmul_n, torch.bfloat16, device)
     for _ in range(args.matmul_repeats):
         peak.sample(1)
     fp32 = matmul_peak(args.matmul_n, torch.float32, args.matmul_repeats, device)
     print(f"  bf16 {_si(peak.since(0), 'FLOP/s')}, fp32 {_si(fp32['flops_per_s'], 'FLOP/s')}", flush=True)
+    return peak, fp32
+
+
+def load_workload(cfg, layers: int | None, gen_dtype: torch.dtype, device: str):
+    """The policy's local path, its tokenizer, the first 64 training prompts (encoded as the searchers
+    encode them) and the generation-dtype model on ``device``."""
+    from tba.models import load_causal_lm, load_tokenizer, prepare_model
+    from tba.tasks import build_task
 
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     tok = load_tokenizer(policy_path)
-    task = task_from_config(cfg)
+    task = build_task(cfg)
     prompts = [task.encode(tok, p) for p in task.train[:64]]
-    model = load_causal_lm(policy_path, gen_dtype, args.layers).to(device)
-    params = sum(p.numel() for p in model.parameters())
+    model = load_causal_lm(policy_path, gen_dtype, layers).to(device)
+    return policy_path, tok, prompts, model
 
+
+def run_sections(args, cfg, device: str, peak: PeakSampler) -> tuple[dict, int]:
+    """Sections b-d (those not in ``--skip``); returns their results and the model's parameter count."""
+    from tba.models import pick_dtype
+
+    max_new = args.max_new_tokens or cfg.searcher.max_new_tokens
+    gen_dtype = pick_dtype(cfg.model.dtype)
+    policy_path, tok, prompts, model = load_workload(cfg, args.layers, gen_dtype, device)
+    params = sum(p.numel() for p in model.parameters())
+    res: dict = {"generation": []}
     if "generation" not in args.skip:
         print(f"b. generation ({gen_dtype}, {max_new} new tokens, temperature {cfg.searcher.temperature})", flush=True)
         res["generation"] = bench_generation(model, tok, prompts, args.batch_sizes, args.samples_per_prompt, max_new,
                                              cfg.searcher.temperature, args.repeats, device, params, peak,
                                              args.refill_batches)
-    else:
-        res["generation"] = []
     del model
     if "trainer" not in args.skip:
         print("c. trainer", flush=True)
@@ -525,20 +583,52 @@ def main(argv: list[str] | None = None) -> int:
     if "publish" not in args.skip:
         print("d. weight publication (Ray)", flush=True)
         res["publish"] = bench_publish(policy_path, args.layers, gen_dtype, args.publish_repeats, num_cpus=2)
-    res["peak"] = {"bf16": peak.summary(), "fp32": fp32}
-    res["rss_mib"] = _rss_mib()
-    res["meta"] = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "model": cfg.model.policy, "layers": args.layers,
-                   "params": params, "device": device if device != "cpu" else
-                   f"cpu ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)",
-                   "threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__,
-                   "gen_dtype": str(gen_dtype), "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])])}
+    return res, params
+
+
+def run_meta(args, argv: list[str], cfg, device: str, params: int) -> dict:
+    """What the report's header says about the run: time, model, device, threads, versions, command."""
+    import transformers
+
+    from tba.models import pick_dtype
+
+    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "model": cfg.model.policy, "layers": args.layers,
+            "params": params, "device": device if device != "cpu" else
+            f"cpu ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)",
+            "threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__,
+            "gen_dtype": str(pick_dtype(cfg.model.dtype)), "command": command_line(argv)}
+
+
+def write_report(res: dict, out: Path) -> None:
+    """Print the markdown report; write it to ``out`` and the raw results as JSON next to it."""
     report = format_report(res)
     print("\n" + report, flush=True)
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(report)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str))
+    write_json(out.with_suffix(".json"), res)
     print(f"wrote {out} and {out.with_suffix('.json')}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    quiet_env()
+    from tba.config import load_config
+    from tba.runtime.build import quiet_libraries
+
+    quiet_libraries()
+    device = pick_device(args.device)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    cfg = load_config(args.config, {"model.num_hidden_layers": args.layers} if args.layers else {})
+
+    print(f"throughput benchmark: device {device}, {args.threads} threads", flush=True)
+    peak, fp32 = measure_peak(args, device)
+    res, params = run_sections(args, cfg, device, peak)
+    res["peak"] = {"bf16": peak.summary(), "fp32": fp32}
+    res["rss_mib"] = peak_rss_mib()
+    res["meta"] = run_meta(args, argv, cfg, device, params)
+    write_report(res, Path(args.out))
     return 0
 
 

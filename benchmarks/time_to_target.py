@@ -3,7 +3,7 @@
 Methods, on the same model, task, prompts and hyperparameters (everything comes from one tba config plus
 ``--set`` overrides):
 
-- ``async``: tba asynchronous TBA (``run.mode=async``), through ``tba.runtime.ray.RayRuntime``;
+- ``async``: tba asynchronous TBA (``run.mode=async``), through ``tba.runtime.RayRuntime``;
 - ``sync``: tba synchronous on-policy mode (``run.mode=sync``), the same runtime;
 - ``trl``: TRL's ``GRPOTrainer`` (pip extra ``bench``; CPU, no vLLM), with B = ``trainer.prompts_per_step``
   prompts x K = ``trainer.group_size`` generations per optimizer step (``per_device_train_batch_size`` B*K,
@@ -73,20 +73,31 @@ first is not necessarily better by more than a couple of eval intervals.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import logging
 import math
-import os
-import resource
 import signal
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when this file is loaded by path
+from _common import (
+    command_line,
+    error_line,
+    parse_sets,
+    peak_rss_mib,
+    pick_device,
+    pyplot,
+    quiet_env,
+    save_figure,
+    warnings_only_logging,
+    write_json,
+)
 
 METHODS = ("async", "sync", "trl")
 LABELS = {"async": "tba async (TBA)", "sync": "tba sync (on-policy)", "trl": "TRL GRPOTrainer"}
@@ -125,14 +136,6 @@ class Clock:
         return now - self.t0 - self.paused_total
 
 
-def _rss_mib(pid: int | None = None) -> float:
-    if pid is None:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    import psutil
-
-    return psutil.Process(pid).memory_info().rss / 2**20
-
-
 def _tree_rss_mib(by_name: dict[str, float] | None = None) -> float:
     """Current RSS of this process and all its descendants (the Ray daemons and actors for tba), MiB.
 
@@ -162,7 +165,7 @@ def _tree_rss_mib(by_name: dict[str, float] | None = None) -> float:
 def make_config(args, method: str | None = None, seed: int = 0):
     from tba.config import load_config
 
-    extra = {**BENCH_DEFAULTS, **_parse_sets(args.set)}
+    extra = {**BENCH_DEFAULTS, **parse_sets(args.set)}
     if args.layers:
         extra["model.num_hidden_layers"] = args.layers
     if args.eval_size:
@@ -173,12 +176,6 @@ def make_config(args, method: str | None = None, seed: int = 0):
     return load_config(args.config, extra)
 
 
-def _parse_sets(items: list[str]) -> dict[str, Any]:
-    from tba.config import parse_assignments
-
-    return parse_assignments(items, "--set")
-
-
 class Evaluator:
     """One bf16 eval model in this process; ``__call__(weights)`` loads weights (a state dict, or tba's
     ``PackedWeights``) and runs the task's eval."""
@@ -186,12 +183,12 @@ class Evaluator:
     def __init__(self, cfg, policy_path: str, device: str, threads: int):
         from tba.engines.hf import HFEngine
         from tba.models import load_causal_lm, load_tokenizer, pick_dtype
-        from tba.runtime.build import task_from_config
+        from tba.tasks import build_task
 
         self.cfg, self.threads = cfg, threads
         self.dtype = pick_dtype(cfg.model.dtype)
         self.tok = load_tokenizer(policy_path)
-        self.task = task_from_config(cfg)
+        self.task = build_task(cfg)
         self.model = load_causal_lm(policy_path, self.dtype, cfg.model.num_hidden_layers).to(device)
         self.engine = HFEngine(self.model, self.tok)
 
@@ -271,8 +268,17 @@ class Tracker:
         a = self.args
         return self.clock.elapsed() >= self.next_t or bool(a.eval_every_steps and step % a.eval_every_steps == 0)
 
+    def eval_now(self, step: int, max_steps: int) -> bool:
+        """Evaluate at the end of this step: due, the run's last step, or the budget spent."""
+        return self.due(step) or step >= max_steps or self.clock.elapsed() >= self.args.budget_s
+
     def should_stop(self) -> bool:
         return (self.reached is not None and self.args.stop_at_target) or self.clock.elapsed() >= self.args.budget_s
+
+    def record_final(self, step: int, samples: int, get_state_dict, freeze=None) -> None:
+        """Evaluate the last state, unless the last point already is at this step."""
+        if not self.points or self.points[-1]["step"] != step:
+            self.record(step, samples, get_state_dict, freeze)
 
     def record(self, step: int, samples: int, get_state_dict, freeze=None) -> dict:
         """Pause the clock, (freeze generation,) evaluate the current weights, resume. Returns the point."""
@@ -320,28 +326,30 @@ class Frozen:
 
     def thaw(self) -> None:
         for p in self.procs:
-            try:
+            with contextlib.suppress(Exception):  # a process that died meanwhile
                 p.send_signal(signal.SIGCONT)
-            except Exception:  # noqa: BLE001 - a process that died meanwhile
-                pass
 
 
 # -- workers -------------------------------------------------------------------------------------------
+
+def new_tracker(args, cfg, policy_path: str, target: float) -> Tracker:
+    """A tracker with a fresh clock, evaluating through a :class:`ChildEvaluator` (loaded now, off the clock)."""
+    evaluator = ChildEvaluator(cfg, policy_path, pick_device(args.device), args.threads)
+    return Tracker(args, target, evaluator, Clock())
+
 
 def run_tba(args, method: str, seed: int, target: float) -> dict:
     import ray
 
     from tba.models import prepare_model
-    from tba.runtime.ray import RayRuntime
+    from tba.runtime import RayRuntime
 
     cfg = make_config(args, method, seed)
     t_setup = time.perf_counter()
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
-    device = _device(args)
-    evaluator = ChildEvaluator(cfg, policy_path, device, args.threads)
-    clock = Clock()
-    tracker = Tracker(args, target, evaluator, clock)
+    tracker = new_tracker(args, cfg, policy_path, target)
+    clock = tracker.clock
     run_dir = Path(args.out) / "runs" / f"{method}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     last = {"step": 0, "samples": 0, "staleness": [], "idle": 0.0, "train_step_s": []}
@@ -360,7 +368,7 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
             last["staleness"].append(m.get("buffer/staleness_mean", 0.0))
             last["idle"] = m.get("perf/trainer_idle_frac", 0.0)
             last["train_step_s"].append(m.get("perf/train_step_s", 0.0))
-            if tracker.due(step) or step >= cfg.trainer.max_steps or clock.elapsed() >= args.budget_s:
+            if tracker.eval_now(step, cfg.trainer.max_steps):
                 tracker.record(step, last["samples"], state_dict, freeze)
             if tracker.should_stop():
                 raise StopRun
@@ -372,67 +380,68 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
         except StopRun:
             pass
         train_s = clock.elapsed()
-        if not tracker.points or tracker.points[-1]["step"] != last["step"]:
-            tracker.record(last["step"], last["samples"], state_dict, freeze)
+        tracker.record_final(last["step"], last["samples"], state_dict, freeze)
     return {"method": method, "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": last["step"],
             "samples": last["samples"], "points": tracker.points, "reached": tracker.reached,
             "staleness_mean": statistics.fmean(last["staleness"]) if last["staleness"] else 0.0,
             "trainer_idle_frac": last["idle"],
             "train_step_s_median": statistics.median(last["train_step_s"]) if last["train_step_s"] else 0.0,
-            "driver_peak_rss_mib": _rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
+            "driver_peak_rss_mib": peak_rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
             "rss_by_process_mib": tracker.rss_by_name,
             "frozen_searchers": [p.get("frozen_searchers") for p in tracker.points]}
 
 
-def run_trl(args, seed: int, target: float) -> dict:
+def trl_dataset(task):
+    """The task's training prompts as TRL conversational rows (system and user messages) with their ids."""
     import datasets
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from tba.models import load_causal_lm, load_tokenizer, pick_dtype, prepare_model
-    from tba.runtime.build import task_from_config
-    from tba.trainer import build_scheduler
-
-    cfg = make_config(args, None, seed)
-    t_setup = time.perf_counter()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(seed)
-    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
-    device = _device(args)
-    evaluator = ChildEvaluator(cfg, policy_path, device, args.threads)
-    clock = Clock()
-    tracker = Tracker(args, target, evaluator, clock)
-    task = task_from_config(cfg)
-    tok = load_tokenizer(policy_path)
-    model = load_causal_lm(policy_path, torch.float32, cfg.model.num_hidden_layers)
-    compute = pick_dtype(cfg.model.dtype)
-    t, s = cfg.trainer, cfg.searcher
-    b, k = t.prompts_per_step, t.group_size
 
     def messages(question: str) -> list[dict]:
         user = task.prompt_template.format(question=question)
         return ([{"role": "system", "content": task.system_prompt}] if task.system_prompt else []) + \
             [{"role": "user", "content": user}]
 
-    data = datasets.Dataset.from_list([{"prompt": messages(p.question), "pid": p.id} for p in task.train])
+    return datasets.Dataset.from_list([{"prompt": messages(p.question), "pid": p.id} for p in task.train])
+
+
+def trl_reward(task):
+    """TRL reward function scoring each completion with the task's own reward."""
 
     def reward(completions, pid, **kwargs) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         return [float(task.reward(text, task.train[i])) for text, i in zip(texts, pid)]
 
     reward.__name__ = "task_reward"
-    run_dir = Path(args.out) / "runs" / f"trl-s{seed}"
-    gcfg = GRPOConfig(
-        output_dir=str(run_dir), per_device_train_batch_size=b * k, gradient_accumulation_steps=1,
+    return reward
+
+
+def grpo_config(args, cfg, seed: int, device: str, compute: torch.dtype):
+    """TRL's GRPOConfig matching the tba recipe (see the module docstring for the mapping)."""
+    from trl import GRPOConfig
+
+    t, s = cfg.trainer, cfg.searcher
+    b, k = t.prompts_per_step, t.group_size
+    return GRPOConfig(
+        output_dir=str(Path(args.out) / "runs" / f"trl-s{seed}"), per_device_train_batch_size=b * k,
+        gradient_accumulation_steps=1,
         num_generations=k, max_completion_length=s.max_new_tokens, temperature=s.temperature, top_k=0, top_p=1.0,
         learning_rate=t.lr, weight_decay=t.weight_decay, max_grad_norm=t.grad_clip, max_steps=t.max_steps,
         beta=args.trl_beta, loss_type=args.trl_loss_type, num_iterations=1, logging_steps=1, save_strategy="no",
         gradient_checkpointing=args.trl_gradient_checkpointing,
         report_to="none", bf16=compute == torch.bfloat16, use_cpu=device == "cpu", seed=seed, disable_tqdm=True,
         dataloader_num_workers=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
-    sched = build_scheduler(opt, t.lr_schedule, t.max_steps, t.warmup_steps, t.decay_steps)
-    gen_dtype = evaluator.dtype
+
+
+def cast_weights(model, dtype: torch.dtype) -> dict:
+    """The model's state dict on the CPU in ``dtype`` (what the eval model loads)."""
+    return {n: v.detach().to("cpu", dtype) for n, v in model.state_dict().items()}
+
+
+def trl_eval_callback(args, tracker: Tracker, max_steps: int, samples_per_step: int, gen_dtype: torch.dtype):
+    """A TrainerCallback that starts the clock when TRL's training starts, evaluates when due and stops the
+    run when the tracker says so."""
+    from transformers import TrainerCallback
+
+    clock = tracker.clock
 
     class EvalCallback(TrainerCallback):
         def on_train_begin(self, a, state, control, **kw):
@@ -440,28 +449,53 @@ def run_trl(args, seed: int, target: float) -> dict:
 
         def on_step_end(self, a, state, control, model=None, **kw):
             step = state.global_step
-            if tracker.due(step) or step >= t.max_steps or clock.elapsed() >= args.budget_s:
+            if tracker.eval_now(step, max_steps):
                 m = model
-                tracker.record(step, step * b * k, lambda: {n: v.detach().to("cpu", gen_dtype)
-                                                            for n, v in m.state_dict().items()})
+                tracker.record(step, step * samples_per_step, lambda: cast_weights(m, gen_dtype))
             if tracker.should_stop():
                 control.should_training_stop = True
             return control
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=gcfg, train_dataset=data, processing_class=tok,
-                          callbacks=[EvalCallback()], optimizers=(opt, sched))
+    return EvalCallback()
+
+
+def run_trl(args, seed: int, target: float) -> dict:
+    from trl import GRPOTrainer
+
+    from tba.models import load_causal_lm, load_tokenizer, pick_dtype, prepare_model
+    from tba.tasks import build_task
+    from tba.trainer import build_scheduler
+
+    cfg = make_config(args, None, seed)
+    t_setup = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(seed)
+    policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
+    device = pick_device(args.device)
+    tracker = new_tracker(args, cfg, policy_path, target)
+    task = build_task(cfg)
+    tok = load_tokenizer(policy_path)
+    model = load_causal_lm(policy_path, torch.float32, cfg.model.num_hidden_layers)
+    t = cfg.trainer
+    n_per_step = t.prompts_per_step * t.group_size
+    data = trl_dataset(task)
+    gcfg = grpo_config(args, cfg, seed, device, pick_dtype(cfg.model.dtype))
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    sched = build_scheduler(opt, t.lr_schedule, t.max_steps, t.warmup_steps, t.decay_steps)
+    gen_dtype = tracker.evaluator.dtype
+    callback = trl_eval_callback(args, tracker, t.max_steps, n_per_step, gen_dtype)
+    trainer = GRPOTrainer(model=model, reward_funcs=[trl_reward(task)], args=gcfg, train_dataset=data,
+                          processing_class=tok, callbacks=[callback], optimizers=(opt, sched))
     # same prompt tokens as tba's searchers? (TRL applies the chat template itself)
     same_tokens = _trl_prompt_tokens(trainer, tok, data[0]["prompt"]) == task.encode(tok, task.train[0])
     setup_s = time.perf_counter() - t_setup
     trainer.train()
-    train_s = clock.elapsed()
+    train_s = tracker.clock.elapsed()
     step = trainer.state.global_step
-    if not tracker.points or tracker.points[-1]["step"] != step:
-        tracker.record(step, step * b * k, lambda: {n: v.detach().to("cpu", gen_dtype)
-                                                    for n, v in trainer.model.state_dict().items()})
+    tracker.record_final(step, step * n_per_step, lambda: cast_weights(trainer.model, gen_dtype))
     return {"method": "trl", "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": step,
-            "samples": step * b * k, "points": tracker.points, "reached": tracker.reached,
-            "driver_peak_rss_mib": _rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
+            "samples": step * n_per_step, "points": tracker.points, "reached": tracker.reached,
+            "driver_peak_rss_mib": peak_rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
             "rss_by_process_mib": tracker.rss_by_name,
             "trl_prompt_tokens_match_tba": same_tokens,
             "trl": {"beta": args.trl_beta, "loss_type": args.trl_loss_type,
@@ -479,10 +513,6 @@ def _trl_prompt_tokens(trainer, tok, prompt) -> list[int] | None:
         return None
 
 
-def _device(args) -> str:
-    return ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-
-
 def worker_main(args) -> int:
     torch.set_num_threads(args.threads)
     target = args.target
@@ -495,9 +525,8 @@ def worker_main(args) -> int:
         import traceback
 
         traceback.print_exc()
-        msg = (str(e).strip().splitlines() or [""])[0]
-        res = {"method": args.worker, "seed": args.worker_seed, "error": f"{type(e).__name__}: {msg}"}
-    Path(args.worker_out).write_text(json.dumps(res, indent=2, default=str))
+        res = {"method": args.worker, "seed": args.worker_seed, "error": error_line(e, 0)}
+    write_json(Path(args.worker_out), res)
     return 0 if "error" not in res else 1
 
 
@@ -519,10 +548,13 @@ def summarize(runs: list[dict], methods: list[str], budget_s: float) -> dict[str
             "train_s": statistics.median([r["train_s"] for r in rs]) if rs else None,
             "steps": statistics.median([r["steps"] for r in rs]) if rs else None,
             "s_per_step": statistics.median([r["train_s"] / max(1, r["steps"]) for r in rs]) if rs else None,
-            "final_accuracy": statistics.median([r["points"][-1]["accuracy"] for r in rs if r["points"]]) if rs else None,
-            "best_accuracy": statistics.median([max(p["accuracy"] for p in r["points"]) for r in rs if r["points"]]) if rs else None,
+            "final_accuracy": statistics.median([r["points"][-1]["accuracy"] for r in rs if r["points"]])
+            if rs else None,
+            "best_accuracy": statistics.median([max(p["accuracy"] for p in r["points"]) for r in rs if r["points"]])
+            if rs else None,
             "setup_s": statistics.median([r["setup_s"] for r in rs]) if rs else None,
-            "peak_rss_mib": max([r.get("tree_rss_max_mib", 0) or r.get("driver_peak_rss_mib", 0) for r in rs], default=None),
+            "peak_rss_mib": max([r.get("tree_rss_max_mib", 0) or r.get("driver_peak_rss_mib", 0) for r in rs],
+                                default=None),
             "budget_s": budget_s,
             "trainer_idle_frac": statistics.median([r["trainer_idle_frac"] for r in rs if "trainer_idle_frac" in r])
             if any("trainer_idle_frac" in r for r in rs) else None,
@@ -547,13 +579,16 @@ def _ratio(num: dict, den: dict) -> str:
 
 
 def format_table(summary: dict, meta: dict) -> str:
-    fmt = lambda x, f="{:.0f}": "-" if x is None else f.format(x)  # noqa: E731
+    def fmt(x, f="{:.0f}"):
+        return "-" if x is None else f.format(x)
+
     lines = [f"# Time to target ({meta['time']})", "",
-             f"Base greedy accuracy {meta['base']['accuracy']:.3f} (+- {meta['base']['stderr']:.3f}) on "
-             f"{meta['base']['n']} held-out problems; target {meta['target']:.3f}. Training clock excludes "
-             f"setup and evals. {meta['desc']}", "",
-             "| method | time to target s (median) | reached | steps to target | samples to target | "
-             "best / final accuracy | steps run | train s | s/step | setup s | RSS MiB (max at evals, all processes) |",
+             (f"Base greedy accuracy {meta['base']['accuracy']:.3f} (+- {meta['base']['stderr']:.3f}) on "
+              f"{meta['base']['n']} held-out problems; target {meta['target']:.3f}. Training clock excludes "
+              f"setup and evals. {meta['desc']}"), "",
+             ("| method | time to target s (median) | reached | steps to target | samples to target | "
+              "best / final accuracy | steps run | train s | s/step | setup s | "
+              "RSS MiB (max at evals, all processes) |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, s in summary.items():
         lines.append(f"| {LABELS[m]} | {fmt(s['time_to_target_s'], '{:.1f}')} | {s['reached']}/{s['runs']}"
@@ -587,11 +622,7 @@ def format_table(summary: dict, meta: dict) -> str:
 
 
 def plot(runs: list[dict], meta: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     base = meta["base"]["accuracy"]
     seen = set()
@@ -618,26 +649,91 @@ def plot(runs: list[dict], meta: dict, path: Path) -> Path:
     ax.set_title(f"Accuracy vs wall-clock: {meta['short']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # -- parent --------------------------------------------------------------------------------------------
 
+def trl_missing() -> bool:
+    """True (and an error printed) if TRL cannot be imported."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        print('error: TRL is not installed (pip install torch==<your torch> trl, or pip install -e ".[bench]")',
+              file=sys.stderr)
+        return True
+    return False
+
+
+def base_and_target(args, cfg, policy_path: str) -> tuple[dict, float]:
+    """The base model's eval (in this process) and the accuracy target (``--target``, or base + delta)."""
+    print("base accuracy ...", flush=True)
+    ev = Evaluator(cfg, policy_path, pick_device(args.device), args.threads)
+    base = ev()
+    del ev
+    target = args.target if args.target is not None else base["accuracy"] + args.target_delta
+    print(f"base accuracy {base['accuracy']:.3f} +- {base['stderr']:.3f} (n={base['n']}, {base['eval_s']:.1f} s); "
+          f"target {target:.3f}", flush=True)
+    return base, target
+
+
+def run_worker(args, argv: list[str], method: str, seed: int, target: float, out: Path) -> dict:
+    """One method's run in a subprocess (this script with ``--worker``); its record, or one with an error."""
+    wout = out / f"run-{method}-s{seed}.json"
+    wout.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", method, "--worker-seed", str(seed),
+           "--worker-out", str(wout), "--target", repr(target)]
+    print(f"\n== {LABELS[method]} (seed {seed}) ==", flush=True)
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, check=False, timeout=args.budget_s * 3 + 900)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    if wout.is_file():
+        rec = json.loads(wout.read_text())
+    else:
+        rec = {"method": method, "seed": seed, "error": f"worker exited {rc} without a result"}
+    rec["wall_s"] = time.monotonic() - t0
+    if "error" in rec:
+        print(f"  {method} failed: {rec['error']}", flush=True)
+    return rec
+
+
+def run_meta(args, argv: list[str], cfg, methods: list[str], base: dict, target: float) -> dict:
+    """What the table, the plot and results.json say about the setup."""
+    c = cfg
+    layers = f" ({c.model.num_hidden_layers} layers)" if c.model.num_hidden_layers else ""
+    every_steps = f" / {args.eval_every_steps} steps" if args.eval_every_steps else ""
+    desc = (f"Model {c.model.policy}{layers}, "
+            f"task {c.task.name}, B={c.trainer.prompts_per_step} prompts x K={c.trainer.group_size} samples per step, "
+            f"max new tokens {c.searcher.max_new_tokens}, temperature {c.searcher.temperature}, lr {c.trainer.lr} "
+            f"({c.trainer.lr_schedule}), max {c.trainer.max_steps} steps, budget {args.budget_s:g} s of training "
+            f"clock per run, eval every {args.eval_every_s:g} s{every_steps}, "
+            f"{args.repeats} repeat(s), {args.threads} threads; TRL beta {args.trl_beta}, loss {args.trl_loss_type}.")
+    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "base": base, "target": target, "desc": desc,
+            "short": f"{c.task.name}, {c.trainer.prompts_per_step}x{c.trainer.group_size}, "
+                     f"{c.model.num_hidden_layers or 'all'} layers, target {target:.3f}",
+            "command": command_line(argv), "methods": methods}
+
+
+def write_outputs(out: Path, runs: list[dict], summary: dict, meta: dict) -> None:
+    """``table.md`` (printed too), ``results.json`` and ``accuracy_vs_time.png`` in ``out``."""
+    table = format_table(summary, meta)
+    (out / "table.md").write_text(table)
+    write_json(out / "results.json", {"meta": meta, "summary": summary, "runs": runs})
+    png = plot(runs, meta, out / "accuracy_vs_time.png")
+    print("\n" + table, flush=True)
+    print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {png}", flush=True)
+
+
 def run_all(args, argv: list[str]) -> int:
+    """Base accuracy, then every method ``--repeats`` times (interleaved, one subprocess each), then the report."""
     from tba.models import prepare_model
 
     methods = list(dict.fromkeys(args.methods))
-    if "trl" in methods:
-        try:
-            import trl  # noqa: F401
-        except ImportError:
-            print('error: TRL is not installed (pip install torch==<your torch> trl, or pip install -e ".[bench]")',
-                  file=sys.stderr)
-            return 2
+    if "trl" in methods and trl_missing():
+        return 2
     cfg = make_config(args)
     if cfg.searcher.samples_per_prompt != cfg.trainer.group_size:
         print(f"warning: searcher.samples_per_prompt {cfg.searcher.samples_per_prompt} != trainer.group_size "
@@ -646,55 +742,11 @@ def run_all(args, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
-    print("base accuracy ...", flush=True)
-    ev = Evaluator(cfg, policy_path, _device(args), args.threads)
-    base = ev()
-    del ev
-    target = args.target if args.target is not None else base["accuracy"] + args.target_delta
-    print(f"base accuracy {base['accuracy']:.3f} +- {base['stderr']:.3f} (n={base['n']}, {base['eval_s']:.1f} s); "
-          f"target {target:.3f}", flush=True)
-    runs = []
-    for rep in range(args.repeats):
-        for m in methods:
-            seed = cfg.run.seed + rep
-            wout = out / f"run-{m}-s{seed}.json"
-            wout.unlink(missing_ok=True)
-            cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", m, "--worker-seed", str(seed),
-                   "--worker-out", str(wout), "--target", repr(target)]
-            print(f"\n== {LABELS[m]} (seed {seed}) ==", flush=True)
-            t0 = time.monotonic()
-            try:
-                proc = subprocess.run(cmd, timeout=args.budget_s * 3 + 900)
-                rc = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            if wout.is_file():
-                rec = json.loads(wout.read_text())
-            else:
-                rec = {"method": m, "seed": seed, "error": f"worker exited {rc} without a result"}
-            rec["wall_s"] = time.monotonic() - t0
-            runs.append(rec)
-            if "error" in rec:
-                print(f"  {m} failed: {rec['error']}", flush=True)
+    base, target = base_and_target(args, cfg, policy_path)
+    runs = [run_worker(args, argv, m, cfg.run.seed + rep, target, out)
+            for rep in range(args.repeats) for m in methods]
     summary = summarize(runs, methods, args.budget_s)
-    c = cfg
-    desc = (f"Model {c.model.policy}{' (' + str(c.model.num_hidden_layers) + ' layers)' if c.model.num_hidden_layers else ''}, "
-            f"task {c.task.name}, B={c.trainer.prompts_per_step} prompts x K={c.trainer.group_size} samples per step, "
-            f"max new tokens {c.searcher.max_new_tokens}, temperature {c.searcher.temperature}, lr {c.trainer.lr} "
-            f"({c.trainer.lr_schedule}), max {c.trainer.max_steps} steps, budget {args.budget_s:g} s of training "
-            f"clock per run, eval every {args.eval_every_s:g} s{' / ' + str(args.eval_every_steps) + ' steps' if args.eval_every_steps else ''}, "
-            f"{args.repeats} repeat(s), {args.threads} threads; TRL beta {args.trl_beta}, loss {args.trl_loss_type}.")
-    meta = {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "base": base, "target": target, "desc": desc,
-            "short": f"{c.task.name}, {c.trainer.prompts_per_step}x{c.trainer.group_size}, "
-                     f"{c.model.num_hidden_layers or 'all'} layers, target {target:.3f}",
-            "command": "python " + " ".join([sys.argv[0], *argv]), "methods": methods}
-    table = format_table(summary, meta)
-    (out / "table.md").write_text(table)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=2,
-                                                 default=str))
-    png = plot(runs, meta, out / "accuracy_vs_time.png")
-    print("\n" + table, flush=True)
-    print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {png}", flush=True)
+    write_outputs(out, runs, summary, run_meta(args, argv, cfg, methods, base, target))
     return 0 if all("error" not in r for r in runs) else 1
 
 
@@ -735,16 +787,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet_env()
+    warnings_only_logging()
     from tba.runtime.build import quiet_libraries
 
     quiet_libraries()
     if args.threads is None:
         from tba.config import load_config
 
-        c = load_config(args.config, _parse_sets(args.set))
+        c = load_config(args.config, parse_sets(args.set))
         args.threads = c.searcher.num_searchers * c.searcher.threads + c.trainer.threads
     if args.worker:
         return worker_main(args)

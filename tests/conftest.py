@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +41,63 @@ def tiny_model(model_path):
 
     torch.manual_seed(0)
     return load_causal_lm(model_path, torch.float32, TINY_LAYERS)
+
+
+class TbaCli:
+    """Runs ``python -m tba.cli train`` as a user would, in a subprocess tagged with a marker.
+
+    The marker (env var ``TBA_TEST_MARKER``) is inherited by Ray's daemons and workers, so a test finds
+    exactly the processes its run made.
+    """
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def env(self) -> dict:
+        """The subprocess environment: quiet transformers, no hub, the marker."""
+        return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TBA_TEST_MARKER": self.marker}
+
+    def run(self, args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
+        """``tba train ARGS`` to completion; stdout and stderr captured as text."""
+        return subprocess.run([sys.executable, "-m", "tba.cli", "train", *args], capture_output=True, text=True,
+                              timeout=timeout, env=self.env())
+
+    def start(self, args: list[str]) -> subprocess.Popen:
+        """``tba train ARGS`` in the background, stderr merged into stdout."""
+        return subprocess.Popen([sys.executable, "-m", "tba.cli", "train", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=self.env())
+
+    @staticmethod
+    def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
+        """Poll ``predicate`` until true; fails if ``proc`` exits first or ``timeout`` seconds pass."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.3)
+
+    def processes(self) -> list[int]:
+        """PIDs whose environment carries this marker (the CLI, Ray daemons and workers)."""
+        needle = f"TBA_TEST_MARKER={self.marker}".encode() + b"\0"
+        pids = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit() and int(d.name) != os.getpid():
+                try:
+                    if needle in (d / "environ").read_bytes() + b"\0":
+                        pids.append(int(d.name))
+                except OSError:
+                    continue
+        return pids
+
+    def assert_nothing_left(self, timeout: float = 30) -> None:
+        """Every process of the run has exited within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while self.processes() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not self.processes(), "processes of the run were left behind"
+
+
+@pytest.fixture()
+def cli(request) -> TbaCli:
+    """A :class:`TbaCli` with a marker unique to this test."""
+    return TbaCli(f"{request.node.name}-{os.getpid()}-{time.time()}")

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from tba.rewards.math import answers_match, extract_final_answer, gsm8k_reward, normalize_number
+from tba.rewards.math import answers_match, extract_final_answer, gold_final_answer, gsm8k_reward, normalize_number
 
 JANET_GOLD = (
     "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\n"
@@ -97,6 +97,16 @@ def test_gsm8k_reward(response, gold, expected):
 def test_gold_without_answer_is_an_error():
     with pytest.raises(ValueError, match="gold answer"):
         gsm8k_reward("18", "   ")
+
+
+@pytest.mark.parametrize(
+    ("gold", "expected"),
+    [(JANET_GOLD, "18"), ("work\n#### 1,200", "1200"), ("work\n#### $1,200 dollars", "1200"), ("#### -47", "-47"),
+     ("18.00", "18"), ("3/4", "3/4"), ("\\frac{1}{2}", "\\frac{1}{2}"), ("work\n####  ", None), ("   ", None)],
+)
+def test_gold_final_answer(gold, expected):
+    """The one parser of gold answers (GSM8K's loader uses it too): the ``####`` tail or a bare answer."""
+    assert gold_final_answer(gold) == expected
 
 
 @pytest.mark.parametrize(

@@ -15,16 +15,27 @@ import torch
 
 pytest.importorskip("sentence_transformers", reason="pip install 'tba[summarize]'")
 
+from tba.config import Config, TaskConfig, load_config  # noqa: E402
 from tba.rewards.diversity import default_embedding_model  # noqa: E402
 from tba.rewards.preference import (  # noqa: E402
-    RewardModelScorer, StandInSummaryScorer, apply_missing_eos_penalty, build_scorer, win_rate)
+    RewardModelScorer,
+    StandInSummaryScorer,
+    apply_missing_eos_penalty,
+    build_scorer,
+    win_rate,
+)
 from tba.tasks import build_task  # noqa: E402
-from tba.tasks.gsm8k_data import DataError  # noqa: E402
+from tba.tasks.data import DataError  # noqa: E402
 from tba.tasks.summarize import SAMPLE_PATH, load_tldr, perplexity  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "summarize.yaml"
 POST = ("My roommate keeps eating the groceries I label and buy every week, and laughs when I ask her to stop. "
         "I am on a tight budget. How do I bring it up again without making work awkward?")
+
+
+def _summarize(**fields):
+    """The summarize task built as a run builds it (the default Config around this task section)."""
+    return build_task(Config(task=TaskConfig(name="summarize", **fields)))
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -63,7 +74,7 @@ def test_bad_rows_name_file_and_line(tmp_path, bad, message):
 def test_local_sources(tmp_path):
     alias = _write(tmp_path / "c.jsonl", [json.dumps({"prompt": f"p{i}", "completion": f" r{i}"}) for i in range(3)])
     assert load_tldr(str(alias), 10, 1) == ([("p0", "r0"), ("p1", "r1")], [("p2", "r2")])  # completion = reference
-    with pytest.raises(ValueError, match="needs more than task.eval_size=3"):
+    with pytest.raises(DataError, match="one file needs more than task.eval_size=3"):
         load_tldr(str(alias), 10, 3)
     with pytest.raises(FileNotFoundError, match="not found"):
         load_tldr(str(tmp_path / "missing.jsonl"), 10, 1)
@@ -76,7 +87,20 @@ def test_local_sources(tmp_path):
     train, evals = load_tldr(str(folder), 2, 5)
     assert len(train) == 2 and len(evals) == 2
     with pytest.raises(DataError, match=r"d\.jsonl:1: "):
-        build_task("summarize", source=str(_write(tmp_path / "d.jsonl", ["{}"])), eval_size=1)
+        _summarize(source=str(_write(tmp_path / "d.jsonl", ["{}"])), eval_size=1)
+
+
+def test_empty_file_and_skipped_rows(tmp_path, caplog):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError) as err:
+        _summarize(source=str(empty), eval_size=1)
+    assert str(err.value) == f"{empty}: no rows (the file is empty)"
+    rows = _write(tmp_path / "mixed.jsonl", [GOOD, "{}", GOOD, GOOD])
+    with caplog.at_level("WARNING", logger="tba.tasks.data"):
+        task = _summarize(source=str(rows), eval_size=1, options={"skip_bad_rows": True})
+    assert (len(task.train), len(task.eval)) == (2, 1)  # the same bad-row policy as every data task
+    assert f"{rows}:2: missing field 'prompt'" in caplog.text
 
 
 # -- worked metrics ----------------------------------------------------------------------------------
@@ -157,7 +181,7 @@ def test_reward_model_scores_the_templated_pair(local_reward_model):
 
 # -- the task --------------------------------------------------------------------------------------
 def test_task_reward_penalises_cut_off_summaries(model_path, tokenizer):
-    task = build_task("summarize", options={"max_new_tokens": 8, "tokenizer": model_path}, train_size=3, eval_size=2)
+    task = _summarize(options={"max_new_tokens": 8, "tokenizer": model_path}, train_size=3, eval_size=2)
     p = task.train[0]
     assert p.entry["post"] == p.question[: -len("TL;DR:")].rstrip()
     cut = tokenizer.decode(tokenizer(p.answer * 3, add_special_tokens=False)["input_ids"][:8])
@@ -167,17 +191,17 @@ def test_task_reward_penalises_cut_off_summaries(model_path, tokenizer):
     assert task.reward_batch([cut, short], [p, p]) == pytest.approx([raw[0] - 1.0, raw[1]])
     assert task.reward(short, p) == pytest.approx(raw[1])
     with pytest.raises(ValueError, match="unknown task.options"):
-        build_task("summarize", options={"judje": "x"})
+        _summarize(options={"judje": "x"})
     with pytest.raises(ValueError, match="mode"):
-        build_task("summarize", options={"missing_eos_mode": "drop"})
+        _summarize(options={"missing_eos_mode": "drop"})
 
 
 def test_evaluate_win_rate_and_perplexity(model_path, tokenizer, tiny_model):
     from tba.engines.hf import HFEngine
     from tba.models import token_logprobs
 
-    task = build_task("summarize", options={"reference_model": model_path, "reference_layers": 2, "num_examples": 2,
-                                            "dtype": "float32"}, train_size=4, eval_size=3)
+    task = _summarize(options={"reference_model": model_path, "reference_layers": 2, "num_examples": 2,
+                               "dtype": "float32"}, train_size=4, eval_size=3)
     engine = HFEngine(tiny_model, tokenizer)
     result = task.evaluate(engine, tokenizer, batch_size=2, max_new_tokens=6)
     assert result["n"] == 3 and 0 <= result["win_rate"] <= 1 and len(result["examples"]) == 2
@@ -193,17 +217,20 @@ def test_evaluate_win_rate_and_perplexity(model_path, tokenizer, tiny_model):
     assert result["perplexity"] >= 1.0
 
 
-def test_runtime_passes_model_settings_as_default_options():
-    from tba.config import load_config
-    from tba.runtime.build import task_from_config
-
+def test_build_task_passes_model_settings_as_default_options(tmp_path):
     cfg = load_config(CONFIG, {"model.num_hidden_layers": 2, "searcher.max_new_tokens": 12,
+                               "model.dtype": "float32", "model.cache_dir": str(tmp_path),
                                "task.options.judge_template": "{prompt} -> {summary}"})
-    o = task_from_config(cfg).options
-    assert (o["reference_model"], o["reference_layers"], o["max_new_tokens"]) == (cfg.model.policy, 2, 12)
+    o = build_task(cfg).options
+    assert (o["reference_model"], o["tokenizer"], o["reference_layers"], o["max_new_tokens"]) == (
+        cfg.model.policy, cfg.model.policy, 2, 12)
+    assert (o["dtype"], o["cache_dir"]) == ("float32", str(tmp_path))
     assert o["judge_template"] == "{prompt} -> {summary}" and o["reward_model"] == "standin"
-    cfg = load_config(CONFIG, {"task.options.max_new_tokens": 99})
-    assert task_from_config(cfg).options["max_new_tokens"] == 99  # the task's own setting wins
+    cfg = load_config(CONFIG, {"model.reference": "some/reference", "task.options.max_new_tokens": 99})
+    o = build_task(cfg).options
+    assert o["max_new_tokens"] == 99  # the user's task.options win
+    assert o["reference_model"] == "some/reference"  # model.reference, when set, is the perplexity model
+    assert "reference_model" not in cfg.task.options  # the config itself is left as it was
 
 
 # -- e2e ------------------------------------------------------------------------------------------

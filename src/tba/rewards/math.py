@@ -10,6 +10,7 @@ Public API:
 * :func:`extract_final_answer` - the final answer of a response or a gold solution, normalised;
 * :func:`normalize_number` - canonical string of one number (``"$1,200.00"`` -> ``"1200"``);
 * :func:`answers_match` - numeric comparison with a ``math-verify`` fallback (fractions, LaTeX);
+* :func:`gold_final_answer` - the final answer of a gold solution (``#### x``) or a bare gold answer;
 * :func:`gsm8k_reward` - the paper's reward.
 
 ``math-verify`` is imported lazily and always called with its signal-based timeouts disabled
@@ -23,7 +24,7 @@ import math
 import re
 from decimal import Decimal, InvalidOperation
 
-__all__ = ["extract_final_answer", "normalize_number", "answers_match", "gsm8k_reward"]
+__all__ = ["extract_final_answer", "normalize_number", "answers_match", "gold_final_answer", "gsm8k_reward"]
 
 # One number as written in prose: optional sign, optional ``$``/``\$``, digits with optional
 # thousands separators and decimals, or a bare leading-dot decimal (``.5``).
@@ -235,8 +236,22 @@ def answers_match(pred: str | None, gold: str) -> bool:
     return _math_verify_match(pred, gold)
 
 
-def _gold_final(gold_answer: str) -> str | None:
-    """The final answer of a gold string: a full GSM8K solution (``#### x``) or just ``x``."""
+def gold_final_answer(gold_answer: str) -> str | None:
+    """The final answer of a gold string: a full GSM8K solution (``#### x``) or just ``x``, or ``None``.
+
+    After the last ``####``: the number there, normalised (``"#### 1,200"`` -> ``"1200"``), else
+    :func:`extract_final_answer` of that text, else the text as written. A bare gold string: its number
+    when it is one, a one-word expression as written (``"3/4"``, ``"\\frac{1}{2}"``), else
+    :func:`extract_final_answer` of it. ``None`` when nothing is left (an empty string, or nothing after
+    ``####``). Never raises. GSM8K's loader (:mod:`tba.tasks.gsm8k`) parses gold answers with it too.
+
+    Examples::
+
+        gold_final_answer("Janet sells ...\\n#### 18")  -> "18"
+        gold_final_answer("#### 1,200")                  -> "1200"
+        gold_final_answer("3/4")                         -> "3/4"
+        gold_final_answer("work\\n####  ")               -> None
+    """
     if "####" in gold_answer:
         tail = gold_answer.rsplit("####", 1)[1].strip()
         return normalize_number(tail) or extract_final_answer(tail) or (tail or None)
@@ -268,7 +283,7 @@ def gsm8k_reward(response: str, gold_answer: str) -> float:
         gsm8k_reward("... so she makes $18 every day.", "Janet sells ... \\n#### 18")  -> 1.0
         gsm8k_reward("The answer is 17.", "18")                                       -> 0.0
     """
-    gold = _gold_final(gold_answer)
+    gold = gold_final_answer(gold_answer)
     if gold is None:
         raise ValueError(f"gold answer has no final answer: {gold_answer!r}")
     return 1.0 if answers_match(extract_final_answer(response), gold) else 0.0

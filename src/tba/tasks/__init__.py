@@ -1,43 +1,61 @@
-"""Tasks: prompts + formatting + reward + eval set. ``build_task`` maps ``task.name`` to one."""
+"""Tasks: prompts + formatting + reward + eval set. :func:`build_task` builds the one a config names.
+
+Modules: :mod:`~tba.tasks.base` (``Task``, ``Problem``), :mod:`~tba.tasks.data` (the one data loader and
+:class:`~tba.tasks.data.DataError`), :mod:`~tba.tasks.evaluation` (greedy eval accuracy), and one module
+per task (``gsm8k``, ``reasoning_gym``, ``redteam``, ``summarize``).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
 
+from tba.config import Config
 from tba.tasks.base import Problem, Task
 
-__all__ = ["Problem", "Task", "build_task"]
+__all__ = ["Problem", "Task", "build_task", "task_class"]
+
+# task.name (a name ending in ':' takes a suffix, e.g. reasoning_gym:chain_sum) -> "module:Class";
+# imported only when named, so a run loads the dependencies of its own task only
+_TASKS = {
+    "gsm8k": "tba.tasks.gsm8k:GSM8KTask",
+    "reasoning_gym:": "tba.tasks.reasoning_gym:ReasoningGymTask",
+    "redteam": "tba.tasks.redteam:RedTeamTask",
+    "summarize": "tba.tasks.summarize:SummarizeTask",
+}
 
 
-def build_task(name: str, *, source: str | None = None, options: dict[str, Any] | None = None,
-               train_size: int = 2000, eval_size: int = 200, seed: int = 0, system_prompt: str | None = None,
-               prompt_template: str = "{question}", answer_pattern: str | None = None) -> Task:
-    """Build a task from its config name: ``gsm8k``, ``reasoning_gym:<dataset>``, ``redteam`` or ``summarize``.
-
-    ``redteam`` and ``summarize`` take their settings from ``options`` (documented in
-    :mod:`tba.tasks.redteam` / :mod:`tba.tasks.summarize`); ``summarize`` reads ``source`` (hub id, JSONL,
-    folder, or ``sample``).
+def task_class(name: str) -> type[Task]:
+    """The Task subclass of a ``task.name``.
 
     Raises:
-        ValueError: unknown task name or invalid dataset settings.
+        ValueError: unknown name (the message lists the known ones).
     """
-    fmt = {"system_prompt": system_prompt, "prompt_template": prompt_template}
-    if name == "gsm8k":
-        from tba.tasks.gsm8k import GSM8KTask
+    key = name.split(":", 1)[0] + ":" if ":" in name else name
+    if key not in _TASKS:
+        known = ", ".join(f"'{k}<dataset>'" if k.endswith(":") else f"'{k}'" for k in _TASKS)
+        raise ValueError(f"task.name '{name}' is unknown: use one of {known}")
+    module, cls = _TASKS[key].split(":")
+    return getattr(importlib.import_module(module), cls)
 
-        return GSM8KTask(source, train_size, eval_size, **fmt)
-    if name.startswith("reasoning_gym:"):
-        from tba.tasks.reasoning_gym import ReasoningGymTask
 
-        return ReasoningGymTask(name.split(":", 1)[1], options or {}, train_size, eval_size, seed,
-                                answer_pattern, **fmt)
-    if name == "redteam":
-        from tba.tasks.redteam import RedTeamTask
+def build_task(cfg: Config) -> Task:
+    """Build the task of ``cfg.task`` with its data loaded (prompts are formatted lazily).
 
-        return RedTeamTask(options, train_size, eval_size, **fmt)
-    if name == "summarize":
-        from tba.tasks.summarize import SummarizeTask
+    The task class gets a copy of the ``task`` section whose ``options`` are the class's
+    :meth:`~tba.tasks.Task.run_options` (settings it takes from other sections, e.g. the GGUF cache)
+    updated with the user's ``task.options`` (the user's values win). Runs in the CLI before Ray starts,
+    so bad data fails there.
 
-        return SummarizeTask(source, options, train_size, eval_size, **fmt)
-    raise ValueError(f"task.name '{name}' is unknown: use 'gsm8k', 'reasoning_gym:<dataset>', 'redteam' "
-                     "or 'summarize'")
+    Raises:
+        ValueError: unknown task name, invalid task settings, or a task left with no training problems
+            (the message names the task and its source). :class:`tba.tasks.data.DataError` (a ValueError)
+            for malformed or empty data, naming the file. FileNotFoundError: a missing local data path.
+    """
+    cls = task_class(cfg.task.name)
+    section = cfg.task.model_copy(update={"options": {**cls.run_options(cfg), **cfg.task.options}})
+    task = cls(section)
+    if not task.train:
+        source = f" (source {cfg.task.source!r})" if cfg.task.source else ""
+        raise ValueError(f"task '{cfg.task.name}'{source} has no training problems; check task.source, "
+                         "task.train_size and task.options")
+    return task

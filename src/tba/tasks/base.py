@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tba.config import Config, TaskConfig
+from tba.tasks.evaluation import greedy_accuracy
+
 
 @dataclass
 class Problem:
@@ -26,20 +29,36 @@ class Problem:
 class Task:
     """Base class: subclasses fill ``train``/``eval`` and implement :meth:`reward`.
 
+    Every task is built from its config section (:class:`tba.config.TaskConfig`, the one place its
+    defaults are declared) by :func:`tba.tasks.build_task`; a task that needs run settings from other
+    sections declares them in :meth:`run_options`.
+
     Args:
-        system_prompt: optional system message (used when the tokenizer has a chat template).
-        prompt_template: user message with a ``{question}`` placeholder.
+        cfg: the task section; here ``system_prompt`` (used when the tokenizer has a chat template) and
+            ``prompt_template`` (the user message, with a ``{question}`` placeholder).
+
+    Raises:
+        ValueError: ``prompt_template`` lacks ``{question}``.
     """
 
     name = "task"
 
-    def __init__(self, system_prompt: str | None = None, prompt_template: str = "{question}"):
-        if "{question}" not in prompt_template:
+    def __init__(self, cfg: TaskConfig):
+        if "{question}" not in cfg.prompt_template:
             raise ValueError("task.prompt_template must contain '{question}'")
-        self.system_prompt = system_prompt
-        self.prompt_template = prompt_template
+        self.config = cfg
+        self.system_prompt = cfg.system_prompt
+        self.prompt_template = cfg.prompt_template
         self.train: list[Problem] = []
         self.eval: list[Problem] = []
+
+    @classmethod
+    def run_options(cls, cfg: Config) -> dict[str, Any]:
+        """Default ``task.options`` this task takes from the rest of the run config (none here).
+
+        :func:`tba.tasks.build_task` merges them under the user's ``task.options`` (the user's values win).
+        """
+        return {}
 
     def reward(self, response: str, problem: Problem) -> float:
         """Reward of a decoded response for ``problem``, in the task's own units (here [0, 1])."""
@@ -54,10 +73,12 @@ class Task:
     def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64) -> dict:
         """Held-out metrics of the policy behind ``engine``; default: greedy accuracy on ``self.eval``.
 
+        Args:
+            engine: generation engine holding the policy; tokenizer: its tokenizer.
+            batch_size: responses decoded at once; max_new_tokens: response cap, tokens.
+
         Returns a dict with at least one float metric (``accuracy`` here) and optional ``examples``.
         """
-        from tba.evaluation import greedy_accuracy
-
         return greedy_accuracy(engine, self, tokenizer, self.eval, batch_size, max_new_tokens)
 
     def is_correct(self, response: str, problem: Problem) -> bool:

@@ -1,28 +1,71 @@
-"""GSM8K grade-school math (Cobbe et al. 2021), the TBA paper's math task."""
+"""GSM8K grade-school math (Cobbe et al. 2021), the TBA paper's math task.
+
+Data: ``task.source`` is the hub id ``openai/gsm8k`` (the default; config ``main``, splits train/test),
+a folder holding ``train.jsonl`` and ``test.jsonl`` (the dataset exported to JSONL), or one JSONL file
+(its last ``eval_size`` rows are the eval set). Every row needs a non-empty string ``question`` and a
+string ``answer``: the worked solution whose last line is ``#### <final answer>``. Loading, bad rows and
+empty files follow :mod:`tba.tasks.data`.
+
+Options (``task.options``): ``skip_bad_rows`` (default false) skips malformed rows with one warning
+instead of stopping (see :mod:`tba.tasks.data`).
+"""
 
 from __future__ import annotations
 
-from tba.rewards.math import gsm8k_reward
+from typing import Any
+
+from tba.config import TaskConfig
+from tba.rewards.math import gold_final_answer, gsm8k_reward
 from tba.tasks.base import Problem, Task
-from tba.tasks.gsm8k_data import load_gsm8k
+from tba.tasks.data import load_splits, row_strings
+from tba.tasks.options import task_options
+
+HUB_ID = "openai/gsm8k"
+_DEFAULTS: dict[str, Any] = {"skip_bad_rows": False}
+
+
+def gsm8k_row(row: Any) -> tuple[str, str]:
+    """``(question, gold final answer)`` of one GSM8K row.
+
+    The question is stripped; the final answer is :func:`tba.rewards.math.gold_final_answer` of the
+    solution (``"... #### 1,200"`` -> ``"1200"``).
+
+    Raises:
+        ValueError: not an object, a missing/non-string/blank field, or no ``#### <answer>`` line.
+    """
+    question, answer = row_strings(row, ("question", "answer"))
+    if "####" not in answer:
+        raise ValueError("field 'answer' has no '#### <final answer>' line")
+    final = gold_final_answer(answer)
+    if final is None:
+        raise ValueError("empty final answer after '####' in field 'answer'")
+    return question.strip(), final
 
 
 class GSM8KTask(Task):
-    """GSM8K from the hub id ``openai/gsm8k`` or local JSONL (a folder with train/test.jsonl, or a file).
+    """GSM8K from the hub (``openai/gsm8k``) or local JSONL; see the module docstring.
 
-    Reward (algorithm.md section 5): 1 if the final number of the response equals the gold answer, else 0.
+    Reward (``docs/algorithm.md`` section 5): 1 if the final number of the response equals the gold
+    answer, else 0. Eval: greedy accuracy on the first ``eval_size`` test problems.
+
+    Args:
+        cfg: the task section (``source``, ``train_size``, ``eval_size``, ``options``, prompt formatting).
 
     Raises:
-        FileNotFoundError / DataError: missing or malformed data (file and line named).
+        DataError: a malformed row (file and line named) or a split without usable rows.
+        FileNotFoundError: a missing local path or split file. ValueError: an unknown option.
     """
 
     name = "gsm8k"
 
-    def __init__(self, source: str | None, train_size: int, eval_size: int, **kwargs):
-        super().__init__(**kwargs)
-        source = source or "openai/gsm8k"
-        self.train = [Problem(i, q, a) for i, (q, a) in enumerate(load_gsm8k(source, "train", limit=train_size))]
-        self.eval = [Problem(i, q, a) for i, (q, a) in enumerate(load_gsm8k(source, "test", limit=eval_size))]
+    def __init__(self, cfg: TaskConfig):
+        super().__init__(cfg)
+        self.options = task_options(cfg.options, _DEFAULTS, self.name)
+        train, evals = load_splits(cfg.source or HUB_ID, gsm8k_row, train_size=cfg.train_size,
+                                   eval_size=cfg.eval_size, eval_split="test", hub_config="main",
+                                   skip_bad_rows=self.options["skip_bad_rows"], hint=f" such as {HUB_ID}")
+        self.train = [Problem(i, q, a) for i, (q, a) in enumerate(train)]
+        self.eval = [Problem(i, q, a) for i, (q, a) in enumerate(evals)]
 
     def reward(self, response: str, problem: Problem) -> float:
         """1.0 if the response's final number equals the gold answer, else 0.0."""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
+from tba.config import TaskConfig
 from tba.rewards.math import extract_final_answer
 from tba.tasks.base import Problem, Task
 
@@ -16,20 +16,24 @@ class ReasoningGymTask(Task):
     also occurs in the eval set (small problem spaces repeat) is dropped, so the eval stays held out.
 
     Args:
-        dataset: reasoning-gym dataset name, e.g. ``chain_sum``.
-        options: its settings (e.g. ``min_terms``), passed to ``create_dataset``.
-        answer_pattern: regex; group 1 of its last match is the answer, else the last number.
+        cfg: the task section: ``name`` is ``reasoning_gym:<dataset>`` (e.g. ``reasoning_gym:chain_sum``);
+            ``options`` are the dataset's settings (e.g. ``min_terms``), passed to ``create_dataset``;
+            ``train_size``, ``eval_size`` and ``seed`` place the two sets in the item stream;
+            ``answer_pattern`` is a regex whose last match's group 1 is the answer (else the last number).
 
     Raises:
-        ValueError: unknown dataset or bad settings (reasoning-gym's message is kept).
+        ValueError: unknown dataset or bad settings (reasoning-gym's message is kept), an invalid
+            ``answer_pattern``, or every train
+            problem also occurs in the eval set.
     """
 
-    def __init__(self, dataset: str, options: dict[str, Any], train_size: int, eval_size: int,
-                 seed: int = 0, answer_pattern: str | None = None, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, cfg: TaskConfig):
+        super().__init__(cfg)
         import reasoning_gym
 
-        self.name = f"reasoning_gym:{dataset}"
+        dataset, options = cfg.name.split(":", 1)[1], cfg.options
+        train_size, eval_size, seed, answer_pattern = cfg.train_size, cfg.eval_size, cfg.seed, cfg.answer_pattern
+        self.name = cfg.name
         try:
             # reasoning-gym draws item i from Random(seed + i): eval takes items seed+1 .. seed+eval_size and
             # train the items after them, so the two never share a draw (overlapping seeds would)
@@ -38,7 +42,10 @@ class ReasoningGymTask(Task):
         except (KeyError, TypeError, AssertionError, ValueError) as e:
             raise ValueError(f"task '{self.name}' with options {options}: {e}") from None
         self._scorer = train_ds
-        self._pattern = re.compile(answer_pattern, re.S) if answer_pattern else None
+        try:
+            self._pattern = re.compile(answer_pattern, re.S) if answer_pattern else None
+        except re.error as e:
+            raise ValueError(f"task.answer_pattern {answer_pattern!r} is not a valid regex: {e}") from None
         self.eval = [Problem(i, e["question"], str(e["answer"]), e) for i, e in enumerate(eval_ds)]
         held_out = {p.question for p in self.eval}
         kept = [e for e in train_ds if e["question"] not in held_out]
@@ -48,7 +55,8 @@ class ReasoningGymTask(Task):
                              "raise task.train_size or widen options")
 
     def extract(self, response: str) -> str:
-        """The answer string handed to the scorer."""
+        """The answer string handed to the scorer: ``answer_pattern``'s last match, else the last number,
+        else the whole response stripped."""
         if self._pattern is not None:
             matches = self._pattern.findall(response)
             if matches:

