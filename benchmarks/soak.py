@@ -1,4 +1,5 @@
-"""Soak run (issue 6): a long async run with 2 searchers (``--set searcher.num_searchers=N`` changes it);
+"""Soak run: memory and stability over a long async run with 2 searchers
+(``--set searcher.num_searchers=N`` changes it);
 memory per process must stay flat and the replay buffer must never grow past its capacity.
 
 Runs ``tba train`` in a subprocess for ``--minutes``, samples the resident memory (RSS) of every process
@@ -9,7 +10,7 @@ RSS when training started, at the end, and the peak; plus the buffer's size and 
 group against the configured capacity. A small prompt set and capacity make the buffer reach
 capacity early, so eviction runs for most of the soak.
 
-    python benchmarks/soak.py --minutes 20                       # the issue's 20-minute soak
+    python benchmarks/soak.py --minutes 20                       # a 20-minute soak
     python benchmarks/soak.py --minutes 2 --set model.num_hidden_layers=2   # smoke run
 """
 

@@ -1,4 +1,6 @@
-"""Off-policy robustness study (issue 3): how does each objective's accuracy hold up as data grows stale?
+"""Off-policy robustness study: how does each objective's accuracy hold up as data grows stale?
+
+The paper's off-policy claim (docs/algorithm.md sections 3 and 6).
 
 What it measures
 ----------------

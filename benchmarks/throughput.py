@@ -1,4 +1,4 @@
-"""Throughput benchmark (issue 4, parts 2 and 3): how close do tba's searchers and trainer get to the machine?
+"""Throughput benchmark: how close do tba's searchers, trainer and weight publication get to the machine?
 
 What it measures, in ONE process run (so the ratios compare numbers taken under the same machine load)
 ----------------------------------------------------------------------------------------------------
@@ -47,7 +47,7 @@ d. **Weight publication latency**: real Ray (``ray.init(address="local", num_cpu
 e. **Peak RSS** (``resource.getrusage``) of this process and of the two Ray actors.
 
 Results: a markdown table (printed, and written to ``--out``, default ``benchmarks/results/throughput.md``)
-with the issue's targets next to the measured ratios, and the raw numbers as JSON next to it (same name,
+with the project's speed targets next to the measured ratios, and the raw numbers as JSON next to it (same name,
 ``.json``).
 
 Commands (repository root, venv active)
@@ -83,7 +83,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when this file is loaded by path
 from _common import command_line, peak_rss_mib, pick_device, quiet_env, write_json
 
-#: issue 4 targets, printed next to the measurements
+#: the project's speed targets, printed next to the measurements
 TARGETS = {"gen_speedup": 3.0, "mfu": 0.30, "publish_s": 1.0}
 
 
@@ -443,7 +443,7 @@ def format_report(r: dict) -> str:
              (f"Model `{m['model']}`{' cut to ' + str(m['layers']) + ' layers' if m['layers'] else ''}: "
               f"{m['params'] / 1e6:.1f}M params; device {m['device']}, {m['threads']} torch threads; "
               f"torch {m['torch']}, transformers {m['transformers']}. Medians over repeats, measured in one run."),
-             "", "| quantity | measured | target (issue 4) |", "|---|---|---|"]
+             "", "| quantity | measured | target |", "|---|---|---|"]
     pk = r["peak"]
     lines.append(f"| matmul peak bf16 ({pk['bf16']['n']}^3; median of {len(pk['bf16']['all_flops_per_s'])} samples "
                  f"taken through the run, min-max {_si(min(pk['bf16']['all_flops_per_s']), '')}-"

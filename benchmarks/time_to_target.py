@@ -1,4 +1,4 @@
-"""Time to target (issue 4, part 1): wall-clock seconds until greedy eval accuracy first reaches a target.
+"""Time to target (async vs sync vs TRL): wall-clock seconds until greedy eval accuracy first reaches a target.
 
 Methods, on the same model, task, prompts and hyperparameters (everything comes from one tba config plus
 ``--set`` overrides):
@@ -611,10 +611,10 @@ def format_table(summary: dict, meta: dict) -> str:
     if "async" in summary:
         if "trl" in summary:
             lines.append(f"- TRL GRPO / tba async time to target: **{_ratio(summary['trl'], summary['async'])}** "
-                         "(issue 4 target: >= 2x)")
+                         "(target: >= 2x)")
         if "sync" in summary:
             lines.append(f"- tba sync / tba async time to target: **{_ratio(summary['sync'], summary['async'])}** "
-                         "(issue 4 target: > 1x)")
+                         "(target: > 1x)")
     if "trl" in summary and "sync" in summary:
         lines.append(f"- TRL GRPO / tba sync time to target: {_ratio(summary['trl'], summary['sync'])}")
     lines += ["", "Command: `" + meta["command"] + "`", ""]

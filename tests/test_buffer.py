@@ -1,4 +1,4 @@
-"""ReplayBuffer rules (algorithm.md section 3), with fixed seeds and numbers worked out by hand."""
+"""ReplayBuffer rules (docs/algorithm.md section 3), with fixed seeds and numbers worked out by hand."""
 
 from __future__ import annotations
 

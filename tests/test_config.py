@@ -58,7 +58,7 @@ def test_unknown_field_and_cross_field_rule(tmp_path):
 
 def test_help_lists_every_field_with_its_doc():
     text = _train_parser().format_help()
-    for dotted, info in iter_fields():
+    for dotted, _ in iter_fields():
         assert f"--{dotted}" in text
     assert "on-policy" in text or "newest sync" in text  # a field's doc, not just its name
 

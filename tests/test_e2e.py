@@ -30,8 +30,11 @@ def _connections(psutil, pid):
 
 def test_async_run_end_to_end(tmp_path, model_path, cli):
     out = tmp_path / "run"
+    # bf16 generation against the trainer's float32 master weights: the reference log-probs differ from the
+    # trainer's, so the TB gradient is non-zero even if every reward of the 2-layer model is 0 (with equal
+    # rewards and bit-equal log-probs it is exactly 0, which is what "auto" gives on a CPU without bf16)
     r = cli.run([*TINY, "--max-steps", "6", "--trainer.sync_period", "2", "--run.eval_every", "3",
-                 "--output-dir", str(out)])
+                 "--model.dtype", "bfloat16", "--output-dir", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == 6

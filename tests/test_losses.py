@@ -107,7 +107,7 @@ def _identity_batch(k: int, beta: float):
 
 
 def test_tb_gradient_is_kl_regularised_reinforce_with_mean_baseline():
-    # algorithm.md 1 / paper appendix A. With d_ij = s_ij - rho_ij - r_ij/beta and log Z_i = -mean_j d_ij:
+    # docs/algorithm.md section 1. With d_ij = s_ij - rho_ij - r_ij/beta and log Z_i = -mean_j d_ij:
     #   resid_ij = d_ij - mean_j d_ij = (KL_ij - mean_j KL) - (r_ij - mean_j r)/beta = -A_ij / beta
     #   dL_TB/ds_ij = 2/(B*K) * resid_ij = -2/(beta*B*K) * A_ij      (log Z carries no gradient)
     # REINFORCE  L_R = -1/(B*K) * sum A_ij * s_ij  (A held fixed)  has  dL_R/ds_ij = -A_ij/(B*K), so

@@ -11,8 +11,13 @@ import torch
 
 from tba.config import Config, LossConfig, SearcherConfig, TaskConfig, TrainerConfig
 from tba.engines.hf import HFEngine, sample_categorical
-from tba.models import (ModelLoadError, enable_activation_checkpointing, pad_prompt_response, prepare_model,
-                        token_logprobs)
+from tba.models import (
+    ModelLoadError,
+    enable_activation_checkpointing,
+    pad_prompt_response,
+    prepare_model,
+    token_logprobs,
+)
 from tba.tasks import build_task
 from tba.trainer import Trainer, linear_beta
 from tba.types import Batch, Sample
@@ -209,11 +214,10 @@ def test_micro_batched_step_equals_single_pass(model_path, tokenizer, loss_name)
                      TrainerConfig(micro_batch_size=mb, lr=1e-4, grad_clip=1e9, lr_schedule="constant"),
                      LossConfig(name=loss_name), temperature=0.7)
         before = model.model.layers[0].mlp.up_proj.weight.detach().clone()
-        real_step = tr.optimizer.step
 
-        def step_and_record(*args, **kwargs):  # the gradients as the optimizer sees them
-            grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
-            return real_step(*args, **kwargs)
+        def step_and_record(*args, _model=model, _step=tr.optimizer.step, **kwargs):  # gradients the optimizer sees
+            grads.append(torch.cat([p.grad.flatten() for p in _model.parameters() if p.grad is not None]))
+            return _step(*args, **kwargs)
 
         tr.optimizer.step = step_and_record
         m = tr.step(batch)

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -201,15 +198,9 @@ def test_build_task_passes_run_settings_as_default_options(tmp_path, model_path)
 
 
 # -- e2e ------------------------------------------------------------------------------------------
-def _tba(args, timeout=300):
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "tba.cli", "train", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
-def test_redteam_end_to_end_through_the_cli(tmp_path):
+def test_redteam_end_to_end_through_the_cli(tmp_path, cli):
     out = tmp_path / "redteam"
-    r = _tba([str(CONFIG), "--model.num_hidden_layers", "2", "--task.eval_size", "4",
+    r = cli.run([str(CONFIG), "--model.num_hidden_layers", "2", "--task.eval_size", "4",
               "--task.options", "{victim_layers: 2, victim_max_new_tokens: 6}",
               "--searcher.prompts_per_batch", "2", "--searcher.samples_per_prompt", "4",
               "--searcher.max_new_tokens", "8", "--trainer.prompts_per_step", "2", "--trainer.group_size", "4",

@@ -1,6 +1,6 @@
 """Replay buffer: per-prompt groups of scored responses, and the TBA batch-sampling rule.
 
-Source: algorithm.md section 3 / TBA paper (arXiv 2503.18929), section 3 "replay buffer". Samples are
+Source: docs/algorithm.md section 3 / TBA paper (arXiv 2503.18929). Samples are
 grouped by ``prompt_id``; a training batch mixes an "on-policy" branch (prompts whose samples arrived at
 the most recent weight sync, their newest samples) and an off-policy branch (all prompts seen so far,
 responses drawn by softmax(inv_temp * reward)).
@@ -56,7 +56,7 @@ class _Group:
 
 
 class ReplayBuffer:
-    """Per-prompt replay buffer with TBA's recency / reward-prioritised sampling (algorithm.md section 3).
+    """Per-prompt replay buffer with TBA's recency / reward-prioritised sampling (docs/algorithm.md section 3).
 
     Not thread-safe: one owner (the buffer's Ray actor, or a test) calls it.
 
@@ -93,7 +93,7 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ insertion
 
     def add(self, samples: list[Sample]) -> int:
-        """Store scored responses, deduplicating and evicting per prompt (algorithm.md section 3).
+        """Store scored responses, deduplicating and evicting per prompt (docs/algorithm.md section 3).
 
         A response whose ``response_ids`` equal a stored response of the same prompt replaces it (the
         copy being added wins, and counts as newly added). When a prompt then holds more than
@@ -158,7 +158,7 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ weight sync
 
     def sync(self, min_version: int) -> int:
-        """Start a new "recent" set; call each time the trainer publishes weights (algorithm.md 3).
+        """Start a new "recent" set; call each time the trainer publishes weights (docs/algorithm.md section 3).
 
         The trainer publishing version ``v`` every k steps calls ``sync(v - k)``. The new recent set is
         the prompts that received, since the previous sync, at least one sample with
@@ -188,7 +188,7 @@ class ReplayBuffer:
     # ------------------------------------------------------------------ sampling
 
     def sample(self, num_prompts: int, group_size: int, step: int) -> Batch:
-        """Draw a training batch of B prompts x K responses, group-major (algorithm.md section 3).
+        """Draw a training batch of B prompts x K responses, group-major (docs/algorithm.md section 3).
 
         For each of the B prompts independently: with probability ``on_policy_prob`` (and only when the
         recent set is non-empty) take the next prompt of a shuffled pass over the recent set and its K
@@ -314,11 +314,9 @@ class ReplayBuffer:
         """Gauges for logging; O(number of stored samples).
 
         Returns:
-            ``buffer/size`` (samples), ``buffer/prompts``, ``buffer/recent_prompts``,
-            ``buffer/recent_samples``, ``buffer/pending_samples`` (added since the last sync),
-            ``buffer/largest_group`` (never above the capacity per prompt) and, when
-            the buffer is non-empty, ``buffer/version_min`` / ``buffer/version_max`` (policy versions,
-            trainer steps).
+            ``buffer/size`` (samples), ``buffer/prompts``, ``buffer/recent_prompts``, ``buffer/recent_samples``,
+            ``buffer/pending_samples`` (added since the last sync), ``buffer/largest_group`` (never above the
+            capacity per prompt) and, when non-empty, ``buffer/version_min`` / ``buffer/version_max`` (trainer steps).
         """
         out = {
             "buffer/size": float(self._size),

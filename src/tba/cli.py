@@ -210,7 +210,8 @@ def print_summary(s: dict) -> None:
     for key in [k for k in {**before, **after} if k not in ("n", "stderr")]:
         b, a = before.get(key), after.get(key)
         gain = f" (change {a - b:+.3f})" if a is not None and b is not None else ""
-        noise = f", eval stderr {after['stderr']:.3f} on {after['n']} problems" if key == "accuracy" and "stderr" in after else ""
+        noise = (f", eval stderr {after['stderr']:.3f} on {after['n']} problems"
+                 if key == "accuracy" and "stderr" in after else "")
         lines.append(f"eval {key}: before {_fmt3(b)} -> after {_fmt3(a)}{gain}{noise}")
     lines += [
         f"trainer steps: {s['trainer_steps']}   samples generated: {s['samples_generated']}",

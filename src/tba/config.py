@@ -59,7 +59,9 @@ class TaskConfig(_Section):
         "other tasks document theirs in their module.",
     )
     train_size: int = Field(2000, ge=1, description="Training prompts (reasoning-gym: generated; gsm8k: first N).")
-    eval_size: int = Field(200, ge=1, description="Held-out problems for greedy eval accuracy.")
+    eval_size: int = Field(
+        200, ge=1, description="Held-out problems for the task's eval (greedy accuracy; red-teaming: sampled attacks)."
+    )
     system_prompt: Optional[str] = Field(None, description="System message, when the tokenizer has a chat template.")
     prompt_template: str = Field(
         "{question}", description="User message; {question} is replaced by the problem text."
@@ -106,7 +108,8 @@ class BufferConfig(_Section):
         0.95, ge=0, le=1, description="m: probability a batch prompt comes from the newest sync (paper GSM8K: 0.95)."
     )
     inv_temp: float = Field(
-        0.0, ge=0, allow_inf_nan=False, description="Reward-prioritised replay: draw K with softmax(inv_temp * reward); 0 = uniform."
+        0.0, ge=0, allow_inf_nan=False,
+        description="Reward-prioritised replay: draw K with softmax(inv_temp * reward); 0 = uniform.",
     )
     min_fill: int = Field(
         64, ge=1, description="Samples the buffer must hold before training starts (paper GSM8K: 500)."
@@ -175,9 +178,9 @@ class RunConfig(_Section):
     ray_address: Optional[str] = Field(
         None, description="Join this Ray cluster ('auto' or host:port); None = start a local loopback instance."
     )
-    eval_before: bool = Field(True, description="Measure greedy eval accuracy before training.")
-    eval_after: bool = Field(True, description="Measure greedy eval accuracy after training.")
-    eval_batch_size: int = Field(32, ge=1, description="Prompts per greedy eval batch.")
+    eval_before: bool = Field(True, description="Run the task's eval before training.")
+    eval_after: bool = Field(True, description="Run the task's eval after training.")
+    eval_batch_size: int = Field(32, ge=1, description="Eval responses decoded at once.")
     eval_every: int = Field(
         0, ge=0, description="Also evaluate every N trainer steps (logged as eval/*; searchers keep generating "
         "meanwhile); 0 = only before and after training."

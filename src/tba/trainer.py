@@ -1,4 +1,4 @@
-"""Trainer: batch from the replay buffer -> log pi_theta -> loss -> AdamW step (TBA section 2).
+"""Trainer: batch from the replay buffer -> log pi_theta -> loss -> AdamW step (docs/algorithm.md section 2).
 
 Owns the policy's float32 master weights, the optimizer and the beta / learning-rate schedules.
 """

@@ -16,7 +16,7 @@ class Sample:
         prompt_id: index of the prompt in the task's training set (stable across runs and resumes).
         prompt_ids: prompt token ids, chat template applied, no padding. Length P tokens.
         response_ids: generated token ids, no padding; ends with EOS when ``finished``. Length R tokens.
-        reward: raw task reward r(x, y); beta is applied only when the loss is computed (algorithm.md 1).
+        reward: raw task reward r(x, y); beta is applied only when the loss is computed (docs/algorithm.md section 1).
         logprobs: behaviour policy per-token log-probs of ``response_ids`` at the sampling temperature,
             length R (GRPO / PPO ratios use them).
         ref_logprobs: frozen reference model per-token log-probs of ``response_ids``, same temperature,
@@ -39,7 +39,7 @@ class Sample:
 
     @property
     def ref_logprob(self) -> float:
-        """Sequence-level log pi_ref(y|x): the sum over response tokens (algorithm.md section 1)."""
+        """Sequence-level log pi_ref(y|x): the sum over response tokens (docs/algorithm.md section 1)."""
         return float(sum(self.ref_logprobs))
 
 
@@ -48,7 +48,7 @@ class Batch:
     """A training batch: B prompts x K responses, stored group-major.
 
     ``samples[i * group_size + j]`` is response j of prompt i, so tensors built from it reshape to
-    ``[B, K]`` for the per-prompt log Z estimate (algorithm.md section 1).
+    ``[B, K]`` for the per-prompt log Z estimate (docs/algorithm.md section 1).
     """
 
     samples: list[Sample]

@@ -45,7 +45,7 @@ def pack_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Pa
         nbytes += -(-t.numel() * out_dtype.itemsize // _ALIGN) * _ALIGN
     flat = torch.empty(nbytes, dtype=torch.uint8)
     with torch.no_grad():
-        for (name, dt, shape, off), (_, t) in zip(entries, tensors):
+        for (_, dt, shape, off), (_, t) in zip(entries, tensors):
             _view(flat, dt, shape, off).copy_(t)  # casts and moves to CPU in one pass
     return PackedWeights(entries=entries, data=flat.numpy())
 

@@ -69,23 +69,23 @@ class HFEngine:
     def generate(
         self,
         prompts: list[list[int]],
-        num_samples: int = 1,
-        max_new_tokens: int = 64,
-        temperature: float = 0.7,
+        num_samples: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
         greedy: bool = False,
         min_new_tokens: int = 0,
         max_num_seqs: int | None = None,
     ) -> list[list[Generation]]:
         """Sample ``num_samples`` responses for each prompt, at most ``max_num_seqs`` decoding at once.
 
-        Tokens are drawn from softmax(logits / temperature) by :func:`sample_categorical` (no top-k/top-p),
-        so the recorded log-probs are those of the sampling distribution.
+        Tokens are drawn from softmax(logits / temperature) by :func:`sample_categorical` (no top-k/top-p):
+        the recorded log-probs are those of the sampling distribution.
 
         Args:
             prompts: token ids per prompt (no padding), length B.
             num_samples: responses per prompt (K); all K continue one prefill of their prompt.
             max_new_tokens: length cap in tokens.
-            temperature: softmax temperature; the returned log-probs use it too.
+            temperature: softmax temperature; the returned log-probs use it too (1 = the model's own).
             greedy: argmax decoding (eval); log-probs are then of the temperature-scaled distribution.
             min_new_tokens: EOS is not sampled before this many tokens (benchmarks force lengths with it).
             max_num_seqs: responses decoded at once (vLLM's name). The row of a response that ends goes to
@@ -312,8 +312,8 @@ def sample_categorical(logp: torch.Tensor, generator: torch.Generator | None = N
     Inverse-CDF sampling: a uniform u in (0, total] per row, then the first index whose cumulative
     probability reaches u (``torch.searchsorted``). A token of probability 0 is never chosen (its interval
     is empty). It needs n random numbers where ``torch.multinomial`` on CPU draws one exponential per
-    vocabulary entry: at batch 32 and a 49k vocabulary that was 23 ms of a ~95 ms decoding step. The
-    float32 cumulative sum moves the probability of each token by at most ~1e-7 x sqrt(V) in absolute terms.
+    vocabulary entry (its share of a decoding step is in ``benchmarks/README.md``). The float32 cumulative
+    sum moves the probability of each token by at most ~1e-7 x sqrt(V) in absolute terms.
     """
     cdf = logp.float().exp().cumsum(-1)  # [n, V]
     u = 1.0 - torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device)  # (0, 1]

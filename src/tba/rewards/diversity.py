@@ -1,6 +1,6 @@
 """Sentence embeddings and the red-teaming diversity metric (mean pairwise cosine distance).
 
-Source: TBA paper section 5 (red-teaming "diversity"), as defined by GFlowNet red-teaming (Lee et al. 2024):
+Source: docs/algorithm.md section 5 (red-teaming "diversity"), as defined by GFlowNet red-teaming (Lee et al. 2024):
 the mean over all pairs of generated attack prompts of ``1 - cos(e_i, e_j)``, with sentence embeddings
 ``e`` from a sentence-transformers model.
 

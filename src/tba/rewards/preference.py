@@ -1,6 +1,6 @@
 """Preference scorers for summarisation: a Hugging Face reward model, an offline stand-in, and win rate.
 
-Source: TBA paper section 5 (TL;DR): the reward is a trained reward model's score of (post, summary); the
+Source: docs/algorithm.md section 5 (TL;DR): the reward is a trained reward model's score of (post, summary); the
 metric is the win rate of the policy's summaries over the reference summaries, judged by a second ("gold")
 reward model. A response that never ends (no EOS token) is penalised, as in the TL;DR RLHF recipes the
 paper builds on (Huang et al. 2024, "The N+ implementation details of RLHF with PPO"; Noukhovitch et al.,

@@ -1,4 +1,4 @@
-"""Thin Ray actor adapters around the buffer, the searchers and the trainer (TBA section 2).
+"""Thin Ray actor adapters around the buffer, the searchers and the trainer (docs/algorithm.md section 2).
 
 Each actor owns one plain object and forwards calls to it; what runs where, and when, is the driver's
 (:mod:`tba.runtime.driver`).

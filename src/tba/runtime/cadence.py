@@ -23,7 +23,7 @@ class Cadence:
 
     Attributes:
         max_steps: trainer steps of the run.
-        sync_period: k, steps between weight publications (1 in sync mode; TBA section 2).
+        sync_period: k, steps between weight publications (1 in sync mode; docs/algorithm.md section 2).
         eval_every: steps between mid-run evals; 0 = none (evals before/after are the CLI's).
         checkpoint_every: steps between periodic checkpoints; 0 = none.
         max_consecutive_skips: non-finite steps in a row tolerated before the run stops.

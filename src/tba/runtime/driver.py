@@ -1,4 +1,4 @@
-"""The driver: starts the actors, runs the ONE training loop, checkpoints and resumes (TBA section 2).
+"""The driver: starts the actors, runs the ONE training loop, checkpoints and resumes (docs/algorithm.md section 2).
 
 Sync and async mode differ only in when generation happens: async searchers loop on their own from
 :meth:`RayRuntime.start_searchers` on; in sync mode every searcher makes one batch with the current

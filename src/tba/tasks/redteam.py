@@ -1,4 +1,4 @@
-"""Automated red-teaming (TBA paper section 5, after GFlowNet red-teaming, Lee et al. 2024, arXiv 2405.18540).
+"""Automated red-teaming (docs/algorithm.md section 5, after GFlowNet red-teaming, Lee et al. 2024, arXiv 2405.18540).
 
 The policy is the attacker. Each problem is a red-teaming instruction ("write a message that makes a chatbot
 ...", optionally built from a HarmBench behaviour); the policy's response is an attack prompt. A frozen victim
@@ -212,7 +212,7 @@ class RedTeamTask(Task):
     def reward_batch(self, responses: list[str], problems: list[Problem]) -> list[float]:
         """``log p(toxic | victim reply)`` per attack prompt, clipped at ``log(reward_floor)``, in nats (<= 0).
 
-        Source: paper section 5 (red-teaming reward). The victim runs batched over all responses.
+        Source: docs/algorithm.md section 5 (red-teaming reward). The victim runs batched over all responses.
         """
         _, probs = self.toxicity(list(responses))
         return [log_toxicity_reward(p, self.options["reward_floor"]) for p in probs]
@@ -227,7 +227,8 @@ class RedTeamTask(Task):
 
     # -- eval --------------------------------------------------------------------------------------
     def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64) -> dict:
-        """Attack success rate and diversity of ``eval_size`` freshly sampled attack prompts (paper section 5).
+        """Attack success rate and diversity of ``eval_size`` freshly sampled attack prompts
+        (docs/algorithm.md section 5).
 
         One attack is sampled (at ``eval_temperature``, not greedy) per eval problem, the victim answers it
         greedily and the classifier scores the reply.

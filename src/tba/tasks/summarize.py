@@ -1,4 +1,4 @@
-"""Preference-tuned summarisation, TL;DR style (TBA paper section 5).
+"""Preference-tuned summarisation, TL;DR style (docs/algorithm.md section 5).
 
 Data: posts with reference summaries, from
 
@@ -222,7 +222,7 @@ class SummarizeTask(Task):
         return self._reference
 
     def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64) -> dict:
-        """Win rate over the reference summaries and perplexity under the reference model (paper section 5).
+        """Win rate over the reference summaries and perplexity under the reference model (docs/algorithm.md section 5).
 
         One summary per eval post (greedy unless ``eval_temperature`` > 0). The judge scores the policy's and
         the reference summary of each post; a tie counts one half. Perplexity is token-level over all
