@@ -25,6 +25,13 @@ def _gsm8k_dir(tmp_path, rows: list[str]) -> str:
     return str(d)
 
 
+def _empty_train_file(tmp_path) -> str:
+    """A GSM8K folder whose train.jsonl is empty (0 bytes)."""
+    d = _gsm8k_dir(tmp_path, [])
+    Path(d, "train.jsonl").write_text("")
+    return d
+
+
 def _bad_gguf(tmp_path) -> str:
     f = tmp_path / "model.gguf"
     f.write_bytes(b"GGUF but not really")
@@ -67,6 +74,8 @@ CASES = [
      "train.jsonl:2"),
     ("empty question", lambda t: [*GSM, "--task.source", _gsm8k_dir(t, ['{"question": " ", "answer": "#### 3"}'])],
      1, "train.jsonl:2"),
+    ("empty dataset file", lambda t: [*GSM, "--task.source", _empty_train_file(t)], 1,
+     "train.jsonl: no rows (the file is empty)"),
     ("unknown reasoning-gym dataset", lambda t: ["--task.name", "reasoning_gym:no_such_dataset"], 1,
      "reasoning_gym:no_such_dataset"),
     ("bad reasoning-gym option", lambda t: ["task.options={min_terms: 0}"], 1, "options"),
