@@ -32,6 +32,17 @@ def _empty_train_file(tmp_path) -> str:
     return d
 
 
+def _inconsistent_checkpoint(tmp_path) -> list[str]:
+    """A run directory whose checkpoint has every file, but the trainer at step 16 and the driver at 15."""
+    ckpt = tmp_path / "checkpoint"
+    ckpt.mkdir()
+    for name in ("buffer.json", "searchers.json", "optimizer.json", "policy.safetensors", "optimizer.safetensors"):
+        (ckpt / name).write_text("{}")
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 16}))
+    (ckpt / "driver.json").write_text(json.dumps({"step": 15}))
+    return ["--resume", str(tmp_path)]
+
+
 def _bad_gguf(tmp_path) -> str:
     f = tmp_path / "model.gguf"
     f.write_bytes(b"GGUF but not really")
@@ -84,7 +95,9 @@ CASES = [
     ("prompt longer than context", lambda t: ["--task.prompt_template", "{question}" + " word" * 9000,
                                               "--task.train_size", "2", "--task.eval_size", "1"], 1,
      "exceeds the model's context"),
-    ("resume without checkpoint", lambda t: ["--resume", str(t)], 1, "holds no checkpoint"),
+    ("resume a folder that is no run", lambda t: ["--resume", str(t / "nothing")], 1, "config file not found"),
+    ("inconsistent checkpoint", _inconsistent_checkpoint, 1,
+     "is inconsistent: the trainer saved step 16, the run state step 15"),
 ]
 
 
@@ -92,7 +105,7 @@ CASES = [
 def test_bad_input_one_clear_line(case, tmp_path, capsys, model_path):
     _, build, code, text = case
     argv = build(tmp_path)
-    if argv[:1] == ["--resume"]:
+    if argv[:1] == ["--resume"] and Path(argv[1]) == tmp_path:
         (tmp_path / "config.yaml").write_text("trainer: {max_steps: 2}\n")
     rc = None
     try:

@@ -75,25 +75,56 @@ def begin(run_dir: Path) -> Path:
 
 
 def commit(run_dir: Path) -> Path:
-    """Atomically replace ``RUN_DIR/checkpoint`` with the folder from :func:`begin`."""
+    """Atomically replace ``RUN_DIR/checkpoint`` with the folder from :func:`begin`.
+
+    At every moment one complete checkpoint exists: ``checkpoint``, or ``checkpoint.old`` between the two
+    renames (a crash there leaves it for :func:`find`).
+    """
     run_dir = Path(run_dir)
     tmp, final, old = run_dir / f"{CHECKPOINT}.tmp", run_dir / CHECKPOINT, run_dir / f"{CHECKPOINT}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
+    if final.exists():  # else ``old`` may be the only complete checkpoint (a crash mid-swap): keep it until now
+        shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def find(run_dir: Path) -> Path:
-    """The checkpoint folder of a run directory (falls back to ``checkpoint.old`` after a crash mid-swap).
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed; the message says what is wrong and what the user can do."""
 
-    Raises:
-        FileNotFoundError: the run directory has no complete checkpoint.
-    """
+
+def find(run_dir: Path) -> Path | None:
+    """The checkpoint folder of a run directory (``checkpoint.old`` after a crash mid-swap), or None if the
+    run never saved one (it was stopped before its first checkpoint)."""
     for name in (CHECKPOINT, f"{CHECKPOINT}.old"):
         path = Path(run_dir) / name
         if (path / "driver.json").is_file():
             return path
-    raise FileNotFoundError(f"{run_dir} holds no checkpoint to resume (looked for {run_dir}/{CHECKPOINT})")
+    return None
+
+
+def resumable_step(path: Path) -> int:
+    """The trainer step a checkpoint resumes at, once its parts are checked to agree.
+
+    Raises:
+        CheckpointError: a file is missing or unreadable, or the trainer's and the driver's step differ
+            (a checkpoint written by tba 0.1 while a trainer step was in flight, or edited by hand).
+    """
+    names = ("trainer.json", "driver.json", "buffer.json", "searchers.json", "policy.safetensors",
+             "optimizer.safetensors", "optimizer.json")
+    missing = [n for n in names if not (Path(path) / n).is_file()]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); it cannot be "
+                              "resumed: start a new run from its config.yaml")
+    try:
+        trainer, driver = read_json(Path(path) / "trainer.json")["step"], read_json(Path(path) / "driver.json")["step"]
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); start a new run from "
+                              "its config.yaml") from None
+    if trainer != driver:
+        raise CheckpointError(
+            f"checkpoint {path} is inconsistent: the trainer saved step {trainer}, the run state step {driver} "
+            "(tba 0.1 could save this on Ctrl-C while a step was in flight); it cannot be resumed exactly: start "
+            "a new run from its config.yaml")
+    return trainer

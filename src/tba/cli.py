@@ -81,15 +81,18 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
         ModelLoadError, DataError, FileNotFoundError, ValueError: bad model/data, before Ray starts.
         TooManySkippedSteps: too many non-finite steps in a row (after saving a checkpoint).
     """
-    from tba.logger import MetricsLogger
+    from tba.logger import MetricsLogger, RunStatus
 
     t_start = time.monotonic()
-    task, policy_path, ref_path, run_dir = _prepare(cfg, resume_dir)
-    logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.wandb_project, cfg.model_dump())
+    task, policy_path, ref_path, run_dir, resume_step = _prepare(cfg, resume_dir)
+    # a resumed run drops the records a killed run wrote after its checkpoint: those steps are run again
+    logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.wandb_project, cfg.model_dump(),
+                           keep_through=resume_step)
+    status = RunStatus(run_dir)
     print(f"run directory: {run_dir}", flush=True)
     summary: dict = {"run_dir": str(run_dir), "task": task.name, "mode": cfg.run.mode, "loss": cfg.loss.name}
     try:
-        state, stats = _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, summary, show_progress)
+        state, stats = _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summary, show_progress)
     finally:
         logger.close()
     summary.update({
@@ -105,47 +108,57 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
     })
     _plot(cfg, run_dir, summary)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    status.set("done", state.step)
     return summary
 
 
 def _prepare(cfg, resume_dir: str | None):
     """Everything that can fail on bad input, before Ray starts: the task and its data, the models, the
-    prompts' lengths, the checkpoint to resume. Returns (task, policy path, reference path, run dir)."""
-    from tba.checkpoint import find
+    prompts' lengths, the checkpoint to resume. Returns (task, policy path, reference path, run dir, the step
+    a resumed run continues from or None)."""
+    from tba.checkpoint import find, resumable_step
     from tba.models import prepare_model
     from tba.tasks import build_task
 
+    resume_step = None
+    if resume_dir:
+        ckpt = find(Path(resume_dir))
+        resume_step = resumable_step(ckpt) if ckpt is not None else 0
     task = build_task(cfg)  # fails fast on bad data, before any model loads
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
     _check_prompts(task, policy_path, cfg.searcher.max_new_tokens)
     if resume_dir:
         run_dir = Path(resume_dir)
-        find(run_dir)  # fail before starting Ray when there is nothing to resume
     else:
         run_dir = Path(cfg.run.output_dir.format(task=task.name.replace(":", "-"), time=time.strftime("%Y%m%d-%H%M%S")))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(_dump_yaml(cfg.model_dump()))
-    return task, policy_path, ref_path, run_dir
+    return task, policy_path, ref_path, run_dir, resume_step
 
 
-def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, summary: dict, show_progress: bool):
+def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summary: dict, show_progress: bool):
     """Start the runtime, resume, evaluate before, train, evaluate after and save; fills ``summary``.
     Returns (run state, buffer/searcher counters)."""
+    from tba.checkpoint import find
     from tba.runtime import RayRuntime
 
-    with RayRuntime(cfg, policy_path, ref_path, run_dir, on_metrics=logger.log) as rt:
+    status.set("starting", 0)
+    with RayRuntime(cfg, policy_path, ref_path, run_dir, on_metrics=logger.log, on_phase=status.set) as rt:
         # again now that Ray runs: ray.init installs its own SIGTERM handler, which exits at once
         # (no checkpoint, actors left to the raylet)
         signal.signal(signal.SIGTERM, _raise_interrupt)
         if resume_dir:
             state = rt.resume()
             summary.update(state.extra)
-            print(f"resumed at trainer step {state.step} with {int(rt.stats()['buffer/size'])} samples in the "
-                  "buffer", flush=True)
+            if find(run_dir) is not None:
+                print(f"resumed at trainer step {state.step} with {int(rt.stats()['buffer/size'])} samples in the "
+                      "buffer", flush=True)
+            else:
+                print(f"{run_dir} holds no checkpoint yet: starting at step 0", flush=True)
         rt.start_searchers()
         if cfg.run.eval_before and "eval_before" not in summary:
-            summary["eval_before"] = rt.state.extra["eval_before"] = _numbers(rt.evaluate())
+            summary["eval_before"] = rt.state.extra["eval_before"] = _numbers(rt.evaluate("eval_before"))
             print(f"eval before training: {_fmt_metrics(summary['eval_before'])}", flush=True)
         bar = _progress_bar(cfg.trainer.max_steps, f"loss/{cfg.loss.name}") if show_progress else None
         t_train = time.monotonic()
@@ -156,7 +169,7 @@ def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, summary: dict,
         stats = rt.stats()
         summary["searcher_nodes"] = sorted(set(rt.searcher_nodes()))
         if cfg.run.eval_after:
-            after = rt.evaluate()
+            after = rt.evaluate("eval_after")
             summary["eval_after"], summary["eval_examples"] = _numbers(after), after.get("examples", [])
         if cfg.trainer.save_final:
             summary["final_model"] = rt.save(str(run_dir / "final"))
@@ -247,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         path, overrides, resume = parse_train_args(rest)
         cfg = load_config(path, overrides)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM checkpoints and cleans up like Ctrl-C
+        # a shell starts background jobs with SIGINT ignored; `kill -INT` must still stop such a run cleanly
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         summary = run_train(cfg, resume_dir=resume)
     except KeyboardInterrupt:
         print("\ninterrupted; all actors stopped", file=sys.stderr)

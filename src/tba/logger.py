@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 
 
 class MetricsLogger:
     """Appends one JSON line per record to ``RUN_DIR/metrics.jsonl`` and mirrors it to TensorBoard.
 
-    Appending (never truncating) keeps earlier records when a run is resumed into the same directory.
+    A resumed run appends to the records of the run it continues; ``keep_through`` first drops the records of
+    steps after the checkpoint (a killed run wrote them, and they are run again), so every step is recorded
+    once.
 
     Args:
         run_dir: the run directory.
@@ -17,11 +21,16 @@ class MetricsLogger:
         wandb_project: also log to W&B (requires ``pip install wandb``), which mirrors the TensorBoard
             event files (``sync_tensorboard``), so they are written in that case too.
         config: stored with the W&B run.
+        keep_through: resuming at this trainer step: keep only earlier records (steps <= it) in
+            ``metrics.jsonl`` and TensorBoard; None for a new run.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb_project: str | None = None,
-                 config: dict | None = None):
+    def __init__(self, run_dir: Path, tensorboard: bool, wandb_project: str | None, config: dict | None,
+                 keep_through: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
+        if keep_through is not None and self.path.is_file():
+            kept = [r for r in read_metrics(self.path) if r["step"] <= keep_through]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self._file = open(self.path, "a")
         self._tb = None
         self._wandb = None
@@ -35,7 +44,9 @@ class MetricsLogger:
         if tensorboard or wandb_project:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            # purge_step: TensorBoard hides events at or after it that earlier files hold (the killed run's)
+            purge = None if keep_through is None else keep_through + 1
+            self._tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=purge)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` (namespaced keys such as ``loss/tb``) at trainer ``step``."""
@@ -54,6 +65,25 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class RunStatus:
+    """``RUN_DIR/status.json``: the phase a run is in, for people and monitors (``watch cat status.json``).
+
+    Phases, in order: ``starting`` (Ray and the actors), ``fill`` (waiting for ``buffer.min_fill``),
+    ``eval_before``, then per trainer step ``generate`` (sync mode), ``step`` (a trainer step in flight),
+    ``publish`` (weights to the searchers), and as due ``eval`` and ``checkpoint``; then ``eval_after``,
+    ``save`` (the final policy) and ``done``. Written atomically (a temporary file renamed into place).
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / "status.json"
+
+    def set(self, phase: str, step: int) -> None:
+        """Record that the run entered ``phase`` at trainer ``step``."""
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"phase": phase, "step": step, "time": time.time()}))
+        os.replace(tmp, self.path)
 
 
 def read_metrics(path: Path) -> list[dict]:

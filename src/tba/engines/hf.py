@@ -66,16 +66,9 @@ class HFEngine:
                                        for layer in DynamicCache(config=model.config).layers)
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: list[list[int]],
-        num_samples: int,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        greedy: bool = False,
-        min_new_tokens: int = 0,
-        max_num_seqs: int | None = None,
-    ) -> list[list[Generation]]:
+    def generate(self, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float = 1.0,
+                 greedy: bool = False, min_new_tokens: int = 0,
+                 max_num_seqs: int | None = None) -> list[list[Generation]]:
         """Sample ``num_samples`` responses for each prompt, at most ``max_num_seqs`` decoding at once.
 
         Tokens are drawn from softmax(logits / temperature) by :func:`sample_categorical` (no top-k/top-p):

@@ -7,7 +7,10 @@ weights right before each trainer step (k = 1, m = 1: the on-policy baseline).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -41,17 +44,28 @@ class RayRuntime:
         run_dir: where checkpoints go (the trainer actor writes its tensors there directly, so on a
             cluster it must be storage the trainer's node can reach).
         on_metrics: called as ``on_metrics(step, metrics)`` after every trainer step and mid-run eval.
+        on_phase: called as ``on_phase(phase, step)`` when the run enters a phase: ``fill`` (waiting for
+            ``buffer.min_fill``), ``step`` (a trainer step is in flight), ``publish``, ``eval``,
+            ``checkpoint``, ``eval_after``... (see :class:`tba.logger.RunStatus`).
+
+    A Ctrl-C / SIGTERM (KeyboardInterrupt) or :class:`TooManySkippedSteps` anywhere inside the ``with`` block
+    saves a checkpoint on the way out, after recording a trainer step already in flight, so the trainer's
+    and the driver's step agree and the checkpoint resumes exactly.
     """
 
-    def __init__(self, cfg: Config, policy_path: str, ref_path: str, run_dir: str | Path, on_metrics=None):
+    def __init__(self, cfg: Config, policy_path: str, ref_path: str, run_dir: str | Path, on_metrics=None,
+                 on_phase=None):
         self.cfg = mode_config(cfg)
         self.policy_path, self.ref_path = policy_path, ref_path
         self.run_dir = Path(run_dir)
         self.on_metrics = on_metrics or (lambda step, m: None)
+        self.on_phase = on_phase or (lambda phase, step: None)
         self.cadence = Cadence.from_config(cfg)
         self.state = RunState()
         self.actors: list = []
         self._inflight = None  # the trainer step sent and not yet recorded
+        self._t0 = time.monotonic()
+        self._sync_runs: list = []  # sync mode: the searchers' one-batch calls in flight
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> "RayRuntime":
@@ -85,7 +99,25 @@ class RayRuntime:
                 f"{c.trainer.threads} CPU(s) for the trainer and {c.searcher.threads} per searcher "
                 f"x {c.searcher.num_searchers}; see `ray status`") from None
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type=None, exc=None, tb=None) -> None:
+        try:
+            if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, TooManySkippedSteps)):
+                self._save_on_stop()
+        finally:
+            self._shutdown()
+
+    def _save_on_stop(self) -> None:
+        """The checkpoint of an interrupted run (Ctrl-C again: quit without it)."""
+        if not self.actors:
+            return  # stopped while starting: nothing to save
+        log.warning("saving a checkpoint (Ctrl-C again: quit without)")
+        self._finish_inflight()
+        self._drain_searchers()
+        path = self.save_checkpoint()
+        log.warning("saved checkpoint at step %d to %s (resume: tba train --resume %s)", self.state.step, path,
+                    self.run_dir)
+
+    def _shutdown(self) -> None:
         try:
             ray.get(self.buffer.set_stop.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - best effort; the kills below are what matter
@@ -98,12 +130,14 @@ class RayRuntime:
         ray.shutdown()
 
     # -- the pieces the CLI calls ------------------------------------------------------------------
-    def evaluate(self) -> dict:
-        """The task's held-out metrics for the trainer's current policy."""
+    def evaluate(self, phase: str = "eval") -> dict:
+        """The task's held-out metrics for the trainer's current policy; ``phase`` names it in the status."""
+        self.on_phase(phase, self.state.step)
         return ray.get(self.trainer.evaluate.remote())
 
     def save(self, path: str) -> str:
         """Save the trainer's policy (HF format)."""
+        self.on_phase("save", self.state.step)
         return ray.get(self.trainer.save.remote(path))
 
     def searcher_nodes(self) -> list[str]:
@@ -119,28 +153,29 @@ class RayRuntime:
 
         Written to a temporary folder and renamed into place, so a crash while saving keeps the previous one.
         """
+        self.on_phase("checkpoint", self.state.step)
         tmp = checkpoint.begin(self.run_dir)
         ray.get(self.trainer.save_checkpoint.remote(str(tmp)))
-        checkpoint.write_json(tmp / "buffer.json", ray.get(self.buffer.state_dict.remote()))
+        # cursors before the buffer: a batch that lands in between is then generated again, never skipped
         checkpoint.write_json(tmp / "searchers.json", ray.get([s.state_dict.remote() for s in self.searchers]))
+        checkpoint.write_json(tmp / "buffer.json", ray.get(self.buffer.state_dict.remote()))
         checkpoint.write_json(tmp / "driver.json", self.state.to_json())
         return checkpoint.commit(self.run_dir)
 
     def resume(self) -> RunState:
-        """Load the run directory's checkpoint into the actors and publish the restored weights.
+        """Load the run directory's checkpoint into the actors and publish the restored weights; a run stopped
+        before its first checkpoint starts over at step 0.
 
         Raises:
-            FileNotFoundError: no checkpoint in the run directory.
-            RuntimeError: the trainer's and the driver's step in the checkpoint disagree.
+            CheckpointError: the checkpoint is incomplete or its parts disagree (checked again here, since the
+                CLI's check ran before Ray started).
         """
         ckpt = checkpoint.find(self.run_dir)
+        if ckpt is None:
+            return self.state
+        checkpoint.resumable_step(ckpt)
         step = ray.get(self.trainer.load_checkpoint.remote(str(ckpt)))
         driver = checkpoint.read_json(ckpt / "driver.json")
-        if step != driver["step"]:
-            raise RuntimeError(
-                f"checkpoint {ckpt} is inconsistent: its trainer state is at step {step} but its run state at "
-                f"step {driver['step']} (an older tba saved it while a step was in flight); it cannot be resumed "
-                "exactly: start a new run, or resume an earlier copy of the checkpoint folder")
         ray.get(self.buffer.load_state_dict.remote(checkpoint.read_json(ckpt / "buffer.json")))
         cursors = checkpoint.read_json(ckpt / "searchers.json")
         ray.get([s.load_state_dict.remote(c) for s, c in zip(self.searchers, cursors)])
@@ -155,22 +190,13 @@ class RayRuntime:
             self.searchers.start()
 
     def train(self, progress=None) -> RunState:
-        """Run until ``trainer.max_steps``; returns the run state.
+        """Run until ``trainer.max_steps``; returns the run state. Stops the searchers at the end.
 
-        Ctrl-C / SIGTERM (KeyboardInterrupt) and :class:`TooManySkippedSteps` save a checkpoint first (after
-        recording a trainer step already in flight, so trainer and driver agree), then propagate.
+        Raises:
+            TooManySkippedSteps: see :class:`tba.runtime.cadence.Cadence` (the checkpoint is saved on exit).
         """
         self._t0 = time.monotonic()
-        try:
-            self._loop(progress)
-        except (KeyboardInterrupt, TooManySkippedSteps):
-            self._finish_inflight()
-            if self.state.step > 0:
-                log.warning("saving a checkpoint (Ctrl-C again: quit without)")
-                path = self.save_checkpoint()
-                log.warning("saved checkpoint at step %d to %s (resume: tba train --resume %s)",
-                            self.state.step, path, self.run_dir)
-            raise
+        self._loop(progress)
         ray.get(self.buffer.set_stop.remote())
         return self.state
 
@@ -178,12 +204,14 @@ class RayRuntime:
     def _loop(self, progress) -> None:
         c, st = self.cfg, self.state
         if c.run.mode == "async":
+            self.on_phase("fill", st.step)
             self._wait_for_fill()
             if st.step == 0:
                 ray.get(self.buffer.sync.remote(0))
         while st.step < c.trainer.max_steps:
             t_iter = time.monotonic()
             self._generate()
+            self.on_phase("step", st.step)
             self._inflight = self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
                                                            c.trainer.group_size)
             metrics = ray.get(self._inflight)
@@ -192,6 +220,7 @@ class RayRuntime:
                 time.sleep(0.1)
                 continue
             if self.cadence.publish_due(st.step + 1):
+                self.on_phase("publish", st.step + 1)
                 self._publish(st.step + 1)
                 ray.get(self.buffer.sync.remote(st.step + 1 - self.cadence.sync_period))
             self._record(metrics, progress, time.monotonic() - t_iter)
@@ -201,7 +230,10 @@ class RayRuntime:
         """Sync mode: one batch per searcher with the current weights, made the recent set. Async mode:
         searchers generate on their own; restart any that died."""
         if self.cfg.run.mode == "sync":
-            ray.get([s.run.remote(self.buffer, 1) for s in self.searchers])
+            self.on_phase("generate", self.state.step)
+            self._sync_runs = [s.run.remote(self.buffer, 1) for s in self.searchers]
+            ray.get(self._sync_runs)
+            self._sync_runs = []
             ray.get(self.buffer.sync.remote(self.state.step))  # only what this step's policy generated
         else:
             self.state.searcher_restarts += self.searchers.restart_dead()
@@ -214,13 +246,14 @@ class RayRuntime:
         """Count and log one trainer step; ``loop_s``: wall seconds of its loop iteration (generation in sync
         mode, the step, weight publication), for ``perf/trainer_idle_frac``."""
         st = self.state
-        st.step += 1
-        self._inflight = None
         metrics = {**ray.get(self.buffer.stats.remote()), **metrics,
                    "searcher/restarts": float(st.searcher_restarts), "perf/elapsed_s": time.monotonic() - self._t0}
-        st.record(metrics, loop_s)
-        metrics["perf/trainer_idle_frac"] = st.trainer_idle_frac
-        self.on_metrics(st.step, metrics)
+        with _signals_deferred():  # counted and logged together, or neither (a stop then records it again)
+            st.step += 1
+            self._inflight = None
+            st.record(metrics, loop_s)
+            metrics["perf/trainer_idle_frac"] = st.trainer_idle_frac
+            self.on_metrics(st.step, metrics)
         if progress is not None:
             progress(st.step, metrics)
 
@@ -244,6 +277,14 @@ class RayRuntime:
             self._record(metrics, None, 0.0)
         self._inflight = None
 
+    def _drain_searchers(self, timeout_s: float = 300.0) -> None:
+        """Stop the searchers and wait (at most ``timeout_s`` seconds) for the batch each is generating to
+        reach the buffer, so a stop checkpoint skips no prompt a searcher has started."""
+        ray.get(self.buffer.set_stop.remote())
+        running = [*self.searchers.runs, *self._sync_runs]
+        if running:
+            ray.wait(running, num_returns=len(running), timeout=timeout_s)
+
     def _wait_for_fill(self) -> None:
         deadline = time.monotonic() + self.cfg.run.startup_timeout_s
         while True:
@@ -256,3 +297,18 @@ class RayRuntime:
                                    f"below buffer.min_fill={self.cfg.buffer.min_fill}; lower it or raise "
                                    "run.startup_timeout_s")
             time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT and SIGTERM until the block ends (then their handlers run): for state changes that must
+    happen together. Only the main thread can change its signal mask; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, held)
