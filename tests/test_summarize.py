@@ -231,17 +231,23 @@ def test_build_task_passes_model_settings_as_default_options(tmp_path):
 
 
 # -- e2e ------------------------------------------------------------------------------------------
-def test_summarize_end_to_end_through_the_cli(tmp_path, cli):
+def test_summarize_end_to_end_through_the_cli(tmp_path, cli, model_path):
+    """Continuous stand-in rewards give every step a gradient: the saved final policy has moved."""
     out = tmp_path / "summarize"
     r = cli.run([str(CONFIG), "--model.num_hidden_layers", "2", "--task.eval_size", "4",
               "--searcher.prompts_per_batch", "2", "--searcher.samples_per_prompt", "4",
               "--searcher.max_new_tokens", "8", "--trainer.prompts_per_step", "2", "--trainer.group_size", "4",
               "--buffer.min_fill", "8", "--trainer.sync_period", "1", "--max-steps", "2",
-              "--run.eval_before", "false", "--trainer.save_final", "false", "--run.eval_batch_size", "4",
+              "--run.eval_before", "false", "--run.eval_batch_size", "4",
               "--run.tensorboard", "false", "--output-dir", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["task"] == "summarize" and summary["trainer_steps"] == 2
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final")
+    init = AutoModelForCausalLM.from_pretrained(model_path, num_hidden_layers=2)
+    assert not torch.allclose(init.model.layers[0].mlp.up_proj.weight, final.model.layers[0].mlp.up_proj.weight)
     after = summary["eval_after"]
     assert after["n"] == 4 and 0 <= after["win_rate"] <= 1 and after["perplexity"] >= 1
     assert summary["reward_failures"] == 0 and len(summary["eval_examples"]) == 3
