@@ -151,7 +151,7 @@ def checkpoint_problems(run_dir: Path, num_problems: int, batch_prompts: int) ->
     except CheckpointError as e:
         return [str(e)]
     (cursor,) = read_json(ckpt / "searchers.json")
-    in_buffer = {s["prompt_id"] for s in read_json(ckpt / "buffer.json")["buffer"]["samples"]}
+    in_buffer = {s["prompt_id"] for _, s in read_json(ckpt / "buffer.json")["buffer"]["samples"]}
     # prompts the searcher has taken in its current epoch (its cursor holds the rest of the epoch)
     started = set(range(num_problems)) - set(cursor["order"]) if cursor["order"] else in_buffer
     lost = started - in_buffer
