@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -76,11 +77,13 @@ class Run:
                                      stderr=subprocess.STDOUT, text=True, env=self.env())
 
     def phase(self) -> dict:
-        """The run's ``status.json`` (``{}`` before it exists)."""
+        """The run's ``status.json`` as written by the current process (``{}`` before it writes one: the file
+        may still hold the previous process's last phase)."""
         try:
-            return json.loads((self.run_dir / "status.json").read_text())
+            status = json.loads((self.run_dir / "status.json").read_text())
         except (OSError, ValueError):
             return {}
+        return status if status.get("pid") == self.proc.pid else {}
 
     def wait_for(self, predicate, timeout_s: float = 600) -> bool:
         """Poll ``predicate(self)`` every 50 ms until true (True), or the process ends / time runs out (False)."""
@@ -161,11 +164,15 @@ def checkpoint_problems(run_dir: Path, num_problems: int, batch_prompts: int) ->
 
 
 def resume_problems(run: Run, saved_samples: int | None) -> list[str]:
-    """Whether the resume's first line reports exactly the checkpoint's buffer."""
+    """Whether the resume's first line reports exactly the checkpoint's buffer (``saved_samples``; None: the
+    run had no checkpoint and must start over)."""
     if saved_samples is None:
         return [] if "holds no checkpoint yet" in run.output else ["a run without checkpoint did not start over"]
-    return [] if f"with {saved_samples} samples in the buffer" in run.output else [
-        f"the resume did not restore the checkpoint's {saved_samples} samples"]
+    line = re.search(r"resumed at trainer step \d+ with (\d+) samples in the buffer", run.output)
+    if line is None:
+        return ["the resume printed no 'resumed at' line"]
+    return [] if int(line.group(1)) == saved_samples else [
+        f"the resume restored {line.group(1)} samples, the checkpoint holds {saved_samples}"]
 
 
 def saved_samples(run_dir: Path) -> int | None:

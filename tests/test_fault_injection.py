@@ -50,7 +50,7 @@ def test_every_phase_stops_and_resumes_losing_nothing(tmp_path, chaos, model_pat
         code = run.stop(sig)
         assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 130), run.output[-2000:]
         if previous_step is not None:  # a resume: it restored exactly the checkpoint's buffer
-            assert not chaos.resume_problems(run, before), run.output[-2000:]
+            assert not chaos.resume_problems(run, before), (phase, chaos.resume_problems(run, before))
         n_problems = n_problems or chaos.num_train_problems(run.run_dir)
         assert not chaos.checkpoint_problems(run.run_dir, n_problems, batch_prompts=2), phase
         saved = chaos.saved_step(run.run_dir)

@@ -73,7 +73,8 @@ class RunStatus:
     Phases, in order: ``starting`` (Ray and the actors), ``fill`` (waiting for ``buffer.min_fill``),
     ``eval_before``, then per trainer step ``generate`` (sync mode), ``step`` (a trainer step in flight),
     ``publish`` (weights to the searchers), and as due ``eval`` and ``checkpoint``; then ``eval_after``,
-    ``save`` (the final policy) and ``done``. Written atomically (a temporary file renamed into place).
+    ``save`` (the final policy) and ``done``. Each record also holds the driver's ``pid`` (the process to
+    signal) and the time. Written atomically (a temporary file renamed into place).
     """
 
     def __init__(self, run_dir: Path):
@@ -82,7 +83,7 @@ class RunStatus:
     def set(self, phase: str, step: int) -> None:
         """Record that the run entered ``phase`` at trainer ``step``."""
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"phase": phase, "step": step, "time": time.time()}))
+        tmp.write_text(json.dumps({"phase": phase, "step": step, "pid": os.getpid(), "time": time.time()}))
         os.replace(tmp, self.path)
 
 
