@@ -332,3 +332,27 @@ def test_packed_weights_round_trip_and_tied_once(model_path):
     assert dst.lm_head.weight.data_ptr() == dst.model.embed_tokens.weight.data_ptr()
     with pytest.raises(ValueError, match="do not match"):
         load_packed_weights(load_causal_lm(model_path, torch.bfloat16, 1), packed)
+
+
+def test_searcher_checkpoint_hands_back_an_undelivered_batch(tokenizer):
+    """A cursor saved while a batch is being generated puts that batch's prompts next in line, so a resumed
+    searcher generates them again instead of skipping them; once delivered, they are not repeated."""
+    from tba.searcher import Searcher
+
+    task, _ = _prompts(tokenizer)
+    cfg = SearcherConfig(prompts_per_batch=2, samples_per_prompt=4)
+
+    def searcher():  # next_prompts and the cursor need no model
+        return Searcher(None, None, task, tokenizer, list(range(10)), 0, cfg, score_micro_batch=16, seed=3)
+
+    s = searcher()
+    first = s.next_prompts()  # being generated
+    resumed = searcher()
+    resumed.load_state_dict(s.state_dict())
+    assert resumed.next_prompts() == first
+    s.delivered()
+    second = s.next_prompts()
+    s.delivered()
+    resumed = searcher()
+    resumed.load_state_dict(s.state_dict())
+    assert set(second).isdisjoint(first) and set(resumed.next_prompts()).isdisjoint(first + second)

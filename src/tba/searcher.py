@@ -58,6 +58,7 @@ class Searcher:
         self.version = 0
         self._rng = random.Random(seed * 1000 + searcher_id)
         self._order: list[int] = []
+        self._undelivered: list[int] = []  # prompts of the batch being generated, until the buffer has it
         self._prompt_ids = {i: task.encode(tokenizer, task.train[i]) for i in self.problem_ids}
         self.reward_failures = 0
 
@@ -79,7 +80,12 @@ class Searcher:
                 self._order = self.problem_ids[:]
                 self._rng.shuffle(self._order)
             out.append(self._order.pop())
+        self._undelivered = out
         return out
+
+    def delivered(self) -> None:
+        """The last batch reached the buffer: a checkpoint no longer needs to hand its prompts back."""
+        self._undelivered = []
 
     def step(self) -> tuple[list[Sample], dict[str, float]]:
         """Generate one batch: prompts x S responses, scored, with reference log-probs.
@@ -148,9 +154,13 @@ class Searcher:
         return out
 
     def state_dict(self) -> dict:
-        """Prompt cursor and RNGs, so a resumed searcher neither skips nor repeats prompts (JSON-safe)."""
-        return {"order": list(self._order), "rng": _rng_to_json(self._rng.getstate()), "version": self.version,
-                "torch_rng": torch.get_rng_state().tolist()}
+        """Prompt cursor and RNGs, so a resumed searcher skips no prompt (JSON-safe). The prompts of a batch
+        not yet delivered to the buffer go back on the cursor (next in line): a checkpoint taken while they
+        are generated then makes the resumed searcher generate them again rather than never. Safe to call
+        from another thread while :meth:`step` runs."""
+        undelivered = list(self._undelivered)
+        return {"order": list(self._order) + undelivered[::-1], "rng": _rng_to_json(self._rng.getstate()),
+                "version": self.version, "torch_rng": torch.get_rng_state().tolist()}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`."""

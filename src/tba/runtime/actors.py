@@ -107,6 +107,7 @@ class SearcherActor:
                 s.load_weights(info["version"], ray.get(info["weights"][0]))
             samples, metrics = s.step()
             info = ray.get(buffer.add.remote(samples, metrics, s.searcher_id, s.version))
+            s.delivered()
             made += 1
         return made
 
