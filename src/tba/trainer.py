@@ -55,13 +55,16 @@ class Trainer:
         loss: the ``loss`` config section (objective name and its hyper-parameters).
         temperature: divides logits before log-softmax (the searchers' ``searcher.temperature``).
         autocast_dtype: e.g. torch.bfloat16; None computes in float32.
+        ref_model: frozen reference model pi_ref (eval mode, on the policy's device) when the trainer scores
+            it (``model.reference_on: trainer``): samples that arrive without ``ref_logprobs`` are scored
+            here, once per draw. None: every sample must carry them.
 
     Raises:
         ValueError: ``loss.name`` is not a key of :data:`tba.losses.LOSSES`.
     """
 
     def __init__(self, model, pad_id: int, cfg: TrainerConfig, loss: LossConfig, temperature: float,
-                 autocast_dtype: torch.dtype | None = None):
+                 autocast_dtype: torch.dtype | None = None, ref_model=None):
         if loss.name not in LOSSES:
             raise ValueError(f"loss.name '{loss.name}' is unknown; allowed: {', '.join(LOSSES)}")
         self.model = model.train()
@@ -70,6 +73,7 @@ class Trainer:
         self.loss_fn = LOSSES[loss.name]
         self.temperature = temperature
         self.autocast_dtype = autocast_dtype
+        self.ref_model = ref_model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_schedule, cfg.max_steps, cfg.warmup_steps,
                                          cfg.decay_steps)
@@ -105,14 +109,36 @@ class Trainer:
                                        self.pad_id)
             (lp.float() * grad_logp[i:i + mb, : lp.shape[1]]).sum().backward()
 
+    @torch.no_grad()
+    def _score_reference(self, samples: list) -> None:
+        """Fill ``ref_logprobs`` of the samples that lack them with the trainer's reference model.
+
+        Raises:
+            ValueError: a sample lacks them and the trainer holds no reference model.
+        """
+        todo = [s for s in samples if s.ref_logprobs is None]
+        if not todo:
+            return
+        if self.ref_model is None:
+            raise ValueError("samples arrived without reference log-probs and the trainer has no reference model "
+                             "(model.reference_on must be the same for searchers and trainer)")
+        mb = self.cfg.micro_batch_size
+        for i in range(0, len(todo), mb):
+            part = todo[i:i + mb]
+            lp, mask = token_logprobs(self.ref_model, [s.prompt_ids for s in part], [s.response_ids for s in part],
+                                      self.temperature, self.pad_id)
+            for s, row, m in zip(part, lp.float().cpu(), mask):
+                s.ref_logprobs = row[: int(m.sum())].tolist()
+
     def _inputs(self, batch: Batch, logp: torch.Tensor, beta: float) -> LossInputs:
-        """The loss inputs of ``batch``: behaviour and reference log-probs padded to ``logp``'s [N, T]."""
-        samples, width = batch.samples, logp.shape[1]
+        """The loss inputs of ``batch``: behaviour and reference log-probs padded to ``logp``'s [N, T], on its
+        device."""
+        samples, width, dev = batch.samples, logp.shape[1], logp.device
         return LossInputs(
-            logp=logp, ref_logp=_pad_rows([s.ref_logprobs for s in samples], width),
-            behaviour_logp=_pad_rows([s.logprobs for s in samples], width),
-            mask=_pad_rows([[1.0] * len(s.response_ids) for s in samples], width),
-            reward=torch.tensor([s.reward for s in samples], dtype=torch.float32),
+            logp=logp, ref_logp=_pad_rows([s.ref_logprobs for s in samples], width).to(dev),
+            behaviour_logp=_pad_rows([s.logprobs for s in samples], width).to(dev),
+            mask=_pad_rows([[1.0] * len(s.response_ids) for s in samples], width).to(dev),
+            reward=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=dev),
             group_size=batch.group_size, beta=beta,
         )
 
@@ -125,6 +151,7 @@ class Trainer:
         grad suffices. A non-finite loss or gradient norm skips the update (``train/skipped`` = 1).
         """
         t0 = time.perf_counter()
+        self._score_reference(batch.samples)
         beta = self.beta_at(self.step_count)
         prompts = [s.prompt_ids for s in batch.samples]
         responses = [s.response_ids for s in batch.samples]

@@ -20,7 +20,7 @@ class Sample:
         logprobs: behaviour policy per-token log-probs of ``response_ids`` at the sampling temperature,
             length R (GRPO / PPO ratios use them).
         ref_logprobs: frozen reference model per-token log-probs of ``response_ids``, same temperature,
-            length R.
+            length R; None when the trainer scores the reference (``model.reference_on: trainer``).
         policy_version: trainer step whose published weights generated this response; staleness of the
             sample at trainer step t is ``t - policy_version``.
         searcher_id: which searcher produced it.
@@ -32,7 +32,7 @@ class Sample:
     response_ids: list[int]
     reward: float
     logprobs: list[float]
-    ref_logprobs: list[float]
+    ref_logprobs: list[float] | None
     policy_version: int
     searcher_id: int = 0
     finished: bool = True

@@ -11,20 +11,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from tba.engines.base import Generation
+from tba.types import PackedWeights
+from tba.weights import load_packed_weights
 
-@dataclass
-class Generation:
-    """One generated response.
-
-    Attributes:
-        response_ids: sampled token ids without padding; includes the EOS token when ``finished``.
-        logprobs: per-token log-probs under the generating policy at the sampling temperature [R].
-        finished: ended with EOS (False: cut at max new tokens).
-    """
-
-    response_ids: list[int]
-    logprobs: list[float]
-    finished: bool
+__all__ = ["Generation", "HFEngine", "sample_categorical"]
 
 
 class HFEngine:
@@ -47,6 +38,7 @@ class HFEngine:
     Args:
         model: a causal LM (eval mode), any dtype/device.
         tokenizer: its tokenizer (pad token set; left padding is applied here).
+        max_num_seqs: default of :meth:`generate`'s ``max_num_seqs`` (responses decoded at once).
 
     Attributes:
         continuous_batching: whether a finished row may take a waiting sample of another width; False for
@@ -54,9 +46,10 @@ class HFEngine:
             time. Setting it False forces that fallback.
     """
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, max_num_seqs: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
         self.eos_ids = set(_as_list(model.generation_config.eos_token_id) or [tokenizer.eos_token_id])
         # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns, later fails)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -67,7 +60,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float = 1.0,
-                 greedy: bool = False, min_new_tokens: int = 0,
+                 *, greedy: bool = False, seed: int | None = None, min_new_tokens: int = 0,
                  max_num_seqs: int | None = None) -> list[list[Generation]]:
         """Sample ``num_samples`` responses for each prompt, at most ``max_num_seqs`` decoding at once.
 
@@ -80,10 +73,12 @@ class HFEngine:
             max_new_tokens: length cap in tokens.
             temperature: softmax temperature; the returned log-probs use it too (1 = the model's own).
             greedy: argmax decoding (eval); log-probs are then of the temperature-scaled distribution.
+            seed: seeds a generator for this call's draws (same seed, weights and batch: same responses);
+                None = torch's global stream.
             min_new_tokens: EOS is not sampled before this many tokens (benchmarks force lengths with it).
             max_num_seqs: responses decoded at once (vLLM's name). The row of a response that ends goes to
                 the next waiting sample at once (continuous batching), so the batch stays full while short
-                responses end. None: all B x K at once.
+                responses end. None: the engine's ``max_num_seqs``, else all B x K at once.
 
         Returns:
             ``out[i][j]``: response j of prompt i.
@@ -92,12 +87,14 @@ class HFEngine:
         n = len(prompts) * k
         if n == 0:
             return [[] for _ in prompts]
-        max_num_seqs = min(max_num_seqs or n, n)
+        max_num_seqs = min(max_num_seqs or self.max_num_seqs or n, n)
         if not self.continuous_batching and max_num_seqs < n:
             per = max(1, max_num_seqs // k)
             return [g for i in range(0, len(prompts), per)
-                    for g in self.generate(prompts[i : i + per], k, max_new_tokens, temperature, greedy,
-                                           min_new_tokens)]
+                    for g in self.generate(prompts[i : i + per], k, max_new_tokens, temperature, greedy=greedy,
+                                           seed=None if seed is None else seed + i, min_new_tokens=min_new_tokens,
+                                           max_num_seqs=max_num_seqs)]
+        gen = None if seed is None else torch.Generator(self.model.device).manual_seed(seed)
         out = _Outputs(n, max_new_tokens, self.tokenizer.pad_token_id)
         eos = torch.tensor(sorted(self.eos_ids), device=self.model.device)
         waiting = _Waiting(prompts, k, prefill_prompts=max(1, max_num_seqs // k))
@@ -108,7 +105,7 @@ class HFEngine:
             early = (t < min_new_tokens).to(logp.device)
             if early.any():
                 logp[early.nonzero(), eos] = -math.inf
-            tok = logp.argmax(-1) if greedy else sample_categorical(logp)
+            tok = logp.argmax(-1) if greedy else sample_categorical(logp, gen)
             done = out.record(run.rows, t, tok, logp, eos)
             reuse, tok = self._retire(run, done, waiting.count(), tok)
             if run.n:
@@ -121,6 +118,17 @@ class HFEngine:
                 run.replace(reuse[: len(idx)], waiting.prefilled, idx, out_rows)
                 reuse = reuse[len(idx):]
         return out.results(len(prompts), k)
+
+    def load_weights(self, packed: PackedWeights) -> None:
+        """Copy published weights into the model in place (cast to its dtype); see :class:`Engine`.
+
+        Raises:
+            ValueError: the weights are of a different architecture (nothing is loaded then).
+        """
+        load_packed_weights(self.model, packed)
+
+    def close(self) -> None:
+        """Nothing to stop: the engine holds no process or cache between calls."""
 
     @staticmethod
     def _retire(run: _Running, done: torch.Tensor, n_waiting: int,

@@ -116,13 +116,13 @@ class SearcherActor:
 class TrainerActor:
     """The trainer, and evaluation of its current policy on the task's held-out set."""
 
-    def __init__(self, cfg: dict, policy_path: str):
+    def __init__(self, cfg: dict, policy_path: str, ref_path: str):
         from tba.runtime.build import build_trainer, generation_dtype, quiet_libraries
         from tba.tasks import build_task
 
         quiet_libraries()
         self.cfg = Config.model_validate(cfg)
-        self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path)
+        self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path, ref_path)
         self.task = build_task(self.cfg)
         self.gen_dtype = generation_dtype(self.cfg)
 

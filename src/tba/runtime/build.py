@@ -11,8 +11,10 @@ import os
 import torch
 
 from tba.config import Config
+from tba.engines.base import Engine
 from tba.engines.hf import HFEngine
-from tba.models import enable_activation_checkpointing, load_causal_lm, load_tokenizer, pick_dtype
+from tba.models import enable_activation_checkpointing, load_causal_lm, load_tokenizer, pick_dtype, truncated_copy
+from tba.placement import vllm_memory_share
 from tba.searcher import Searcher
 from tba.tasks import build_task
 from tba.trainer import Trainer
@@ -32,32 +34,75 @@ def shard(n_problems: int, num_searchers: int, searcher_id: int) -> list[int]:
     return list(range(searcher_id, n_problems, num_searchers))
 
 
+def build_engine(cfg: Config, policy_path: str, tokenizer, seed: int, max_model_len: int) -> Engine:
+    """The searcher's generation engine (``searcher.engine``) on ``model.device``, in the generation dtype.
+
+    Args:
+        max_model_len: longest prompt + response in tokens (vLLM sizes its KV blocks by it).
+    """
+    dtype, device = pick_dtype(cfg.model.dtype), _device(cfg)
+    if cfg.searcher.engine == "vllm":
+        from tba.engines.vllm import VLLMEngine
+
+        n = cfg.model.num_hidden_layers
+        folder = truncated_copy(policy_path, n, cfg.model.cache_dir) if n else policy_path
+        return VLLMEngine(folder, dtype=dtype, device=device, max_num_seqs=cfg.searcher.max_num_seqs,
+                          max_model_len=max_model_len, gpu_memory_utilization=vllm_memory_share(cfg),
+                          kv_cache_gib=cfg.searcher.kv_cache_gib, threads=cfg.searcher.threads, seed=seed)
+    policy = load_causal_lm(policy_path, dtype, cfg.model.num_hidden_layers).to(device)
+    return HFEngine(policy, tokenizer, cfg.searcher.max_num_seqs)
+
+
 def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: int) -> Searcher:
-    """A searcher with its own policy copy and reference model, both in the generation dtype."""
+    """A searcher with its own policy copy in its engine and, unless the trainer scores pi_ref
+    (``model.reference_on``), its own reference model, both in the generation dtype on ``model.device``."""
     torch.set_num_threads(cfg.searcher.threads)
-    torch.manual_seed(cfg.run.seed + 1000 * (searcher_id + 1))  # distinct sampling streams per searcher
-    dtype = pick_dtype(cfg.model.dtype)
+    seed = cfg.run.seed + 1000 * (searcher_id + 1)  # distinct sampling streams per searcher
+    torch.manual_seed(seed)
     tok = load_tokenizer(policy_path)
-    policy = load_causal_lm(policy_path, dtype, cfg.model.num_hidden_layers)
-    ref = load_causal_lm(ref_path, dtype, cfg.model.num_hidden_layers)
     task = build_task(cfg)
     problem_ids = shard(len(task.train), cfg.searcher.num_searchers, searcher_id)
-    return Searcher(HFEngine(policy, tok), ref, task, tok, problem_ids, searcher_id, cfg.searcher,
+    longest = max(len(task.encode(tok, task.train[i])) for i in problem_ids)
+    engine = build_engine(cfg, policy_path, tok, seed, longest + cfg.searcher.max_new_tokens)
+    ref = None
+    if cfg.model.reference_on == "searcher":
+        ref = load_causal_lm(ref_path, pick_dtype(cfg.model.dtype), cfg.model.num_hidden_layers).to(_device(cfg))
+    return Searcher(engine, ref, task, tok, problem_ids, searcher_id, cfg.searcher,
                     score_micro_batch=cfg.trainer.micro_batch_size, seed=cfg.run.seed)
 
 
-def build_trainer(cfg: Config, policy_path: str) -> tuple[Trainer, object]:
-    """The trainer (float32 master weights, bf16 autocast where supported) and its tokenizer."""
+def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None) -> tuple[Trainer, object]:
+    """The trainer (float32 master weights, bf16 autocast where supported) on ``model.device``, and its
+    tokenizer. It holds a reference model (generation dtype, as the searchers would) when
+    ``model.reference_on`` is 'trainer'.
+
+    Raises:
+        ValueError: ``model.reference_on`` is 'trainer' and no ``ref_path`` is given.
+    """
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.run.seed)
+    device = _device(cfg)
     tok = load_tokenizer(policy_path)
-    model = load_causal_lm(policy_path, torch.float32, cfg.model.num_hidden_layers)
+    model = load_causal_lm(policy_path, torch.float32, cfg.model.num_hidden_layers).to(device)
     compute = pick_dtype(cfg.model.dtype)
     if cfg.trainer.gradient_checkpointing:
         enable_activation_checkpointing(model)
+    ref = None
+    if cfg.model.reference_on == "trainer":
+        if ref_path is None:
+            raise ValueError("model.reference_on is 'trainer': build_trainer needs the reference model's path")
+        ref = load_causal_lm(ref_path, compute, cfg.model.num_hidden_layers).to(device)
     trainer = Trainer(model, tok.pad_token_id, cfg.trainer, cfg.loss, cfg.searcher.temperature,
-                      autocast_dtype=compute if compute != torch.float32 else None)
+                      autocast_dtype=compute if compute != torch.float32 else None, ref_model=ref)
     return trainer, tok
+
+
+def _device(cfg: Config) -> str:
+    """The torch device of this process's models: 'cuda' (the GPU Ray gave this actor) or 'cpu'; 'auto' (in
+    process, without the driver's placement) is resolved here."""
+    if cfg.model.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.model.device
 
 
 def generation_dtype(cfg: Config) -> torch.dtype:

