@@ -147,6 +147,7 @@ def _prepare(cfg, resume_dir: str | None):
 def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summary: dict, show_progress: bool):
     """Start the runtime, resume, evaluate before, train, evaluate after and save; fills ``summary``.
     Returns (run state, buffer/searcher counters)."""
+    from tba.placement import describe
     from tba.runtime import RayRuntime
 
     status.set("starting", 0)
@@ -154,6 +155,8 @@ def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summar
         # again now that Ray runs: ray.init installs its own SIGTERM handler, which exits at once
         # (no checkpoint, actors left to the raylet)
         signal.signal(signal.SIGTERM, _raise_interrupt)
+        print(describe(rt.cfg), flush=True)
+        summary["device"] = rt.cfg.model.device
         if resume_dir:
             state = rt.resume()
             if state is None:

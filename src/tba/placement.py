@@ -99,3 +99,14 @@ def vllm_memory_share(cfg: Config) -> float:
     shared with the trainer keeps room for it)."""
     c = cfg.searcher
     return c.gpu_memory_utilization or round(0.85 * min(1.0, c.num_gpus or 1.0), 4)
+
+
+def describe(cfg: Config) -> str:
+    """One line for the run's log: where the trainer and the searchers run, with which engine.
+    ``cfg`` is :func:`resolve_placement`'s output."""
+    c, n = cfg.searcher, cfg.searcher.num_searchers
+    if cfg.model.device == "cpu":
+        return (f"placement: CPU; trainer {cfg.trainer.threads} thread(s), {n} searcher(s) x {c.threads} thread(s), "
+                f"engine {c.engine}, reference on the {cfg.model.reference_on}")
+    return (f"placement: CUDA; trainer {cfg.trainer.num_gpus:g} GPU, {n} searcher(s) x {c.num_gpus:g} GPU, "
+            f"engine {c.engine}, reference on the {cfg.model.reference_on}")

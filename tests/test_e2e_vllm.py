@@ -1,0 +1,56 @@
+"""End to end through the CLI and real Ray with vLLM as the searchers' engine (vLLM's CPU backend here, the
+same API as on a GPU), on the 2-layer SmolLM2: weights reach the engine, samples record the version the
+engine had, and no process is left after success, an error or Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+from test_e2e import TINY
+
+from tba.logger import read_metrics
+
+pytest.importorskip("vllm")
+
+VLLM = [*TINY, "--searcher.engine", "vllm", "--run.eval_before", "false"]
+
+
+def test_vllm_searchers_get_weights_and_record_versions(tmp_path, cli):
+    out = tmp_path / "run"
+    r = cli.run([*VLLM, "--max-steps", "4", "--trainer.sync_period", "1", "--run.checkpoint_every", "4",
+                 "--output-dir", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "engine vllm" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer_steps"] == 4 and summary["searcher_max_version"] >= 1
+    saved = json.loads((out / "checkpoint" / "buffer.json").read_text())["samples"]
+    versions = {s["policy_version"] for _, s in saved}
+    # samples generated after a weight swap carry its version, and none claims a version not yet published
+    assert max(versions) >= 1 and versions <= set(range(0, 4))
+    assert all(len(s["logprobs"]) == len(s["response_ids"]) == len(s["ref_logprobs"]) for _, s in saved)
+    cli.assert_nothing_left()
+
+
+def test_vllm_run_that_fails_leaves_nothing(tmp_path, cli):
+    """A run that stops with an error (non-finite steps, see test_e2e) while vLLM searchers generate."""
+    out = tmp_path / "nan"
+    r = cli.run([*VLLM, "--max-steps", "20", "--trainer.lr", "1e30", "--trainer.weight_decay", "0.1",
+                 "--trainer.max_consecutive_skips", "1", "--trainer.sync_period", "100", "--output-dir", str(out)])
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "non-finite loss or gradient" in r.stderr
+    cli.assert_nothing_left()
+
+
+def test_vllm_run_ctrl_c_leaves_nothing(tmp_path, cli):
+    out = tmp_path / "intr"
+    p = cli.start([*VLLM, "--max-steps", "500", "--output-dir", str(out)])
+    metrics = out / "metrics.jsonl"
+    cli.wait_for(lambda: metrics.is_file() and metrics.read_text().strip(), p)
+    p.send_signal(signal.SIGINT)
+    output, _ = p.communicate(timeout=120)
+    assert p.returncode == 130, output[-2000:]
+    assert [rec["step"] for rec in read_metrics(metrics) if "loss/tb" in rec]
+    assert (out / "checkpoint" / "driver.json").is_file()
+    cli.assert_nothing_left()
