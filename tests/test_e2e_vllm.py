@@ -19,15 +19,16 @@ VLLM = [*TINY, "--searcher.engine", "vllm", "--run.eval_before", "false"]
 
 def test_vllm_searchers_get_weights_and_record_versions(tmp_path, cli):
     out = tmp_path / "run"
-    r = cli.run([*VLLM, "--max-steps", "4", "--trainer.sync_period", "1", "--run.checkpoint_every", "4",
+    r = cli.run([*VLLM, "--max-steps", "4", "--trainer.sync_period", "1", "--run.checkpoint_every", "3",
                  "--output-dir", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "engine vllm" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == 4 and summary["searcher_max_version"] >= 1
-    saved = json.loads((out / "checkpoint" / "buffer.json").read_text())["samples"]
+    saved = json.loads((out / "checkpoint" / "buffer.json").read_text())["buffer"]["samples"]
     versions = {s["policy_version"] for _, s in saved}
-    # samples generated after a weight swap carry its version, and none claims a version not yet published
+    # samples generated after a weight swap carry its version, and none claims one not yet published (the
+    # checkpoint at step 3 follows the publication of version 3)
     assert max(versions) >= 1 and versions <= set(range(0, 4))
     assert all(len(s["logprobs"]) == len(s["response_ids"]) == len(s["ref_logprobs"]) for _, s in saved)
     cli.assert_nothing_left()

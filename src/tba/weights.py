@@ -63,13 +63,28 @@ def load_packed_weights(model: torch.nn.Module, packed: PackedWeights) -> None:
         missing, unexpected = sorted(set(target) - names), sorted(names - set(target))
         raise ValueError(f"published weights do not match the model: missing {missing[:5]}, "
                          f"unexpected {unexpected[:5]} (or shapes differ)")
+    with torch.no_grad():
+        for name, t in unpack_weights(packed).items():
+            target[name].copy_(t)
+
+
+def unpack_weights(packed: PackedWeights) -> dict[str, torch.Tensor]:
+    """The tensors of a :func:`pack_weights` pack by name, as views into its buffer (no copy; read only).
+
+    Raises:
+        ValueError: an entry runs past the end of the buffer (a truncated or corrupt pack).
+    """
     with warnings.catch_warnings():
-        # the object store hands out read-only memory; we only read it
+        # the object store hands out read-only memory; callers only read it
         warnings.filterwarnings("ignore", message=".*not writable.*")
         flat = torch.from_numpy(packed.data)
-    with torch.no_grad():
-        for name, dt, shape, off in packed.entries:
-            target[name].copy_(_view(flat, dt, shape, off))
+    out = {}
+    for name, dt, shape, off in packed.entries:
+        end = off + math.prod(shape) * getattr(torch, dt).itemsize
+        if end > flat.numel():
+            raise ValueError(f"published weights: '{name}' ends at byte {end}, past the buffer ({flat.numel()} bytes)")
+        out[name] = _view(flat, dt, shape, off)
+    return out
 
 
 def _view(flat: torch.Tensor, dtype: str, shape: tuple, offset: int) -> torch.Tensor:

