@@ -37,15 +37,27 @@ How time and accuracy are measured (identically for the three)
   max new tokens and threads for all methods). During the eval in async mode the searcher processes are
   suspended (SIGSTOP / SIGCONT to this run's own ``ray::SearcherActor`` processes), so no method trains or
   generates while the clock is paused.
-- A method stops when its accuracy reaches the target (``--target``, default base accuracy +
-  ``--target-delta`` 0.10; the base accuracy is measured once, before the methods, by the same evaluation),
-  after ``--budget-s`` seconds of training clock, or at ``trainer.max_steps``; the last state is always
-  evaluated. Time to target = training clock at the first eval whose accuracy >= target; its resolution is
-  the eval interval plus one step.
+- Every run spends ``--budget-s`` seconds of training clock (or ``trainer.max_steps``; ``--stop-at-target``
+  ends it at the highest target instead); the last state is always evaluated. Targets are base accuracy +
+  each of ``--target-deltas`` (default 0.10 and 0.15, chosen below the plateau: at the plateau, first passage
+  is decided by eval noise); the base accuracy is measured once per study, before the methods, by the same
+  evaluation. Time to a target = training clock at the first eval whose accuracy >= target; its resolution
+  is the eval interval plus one step. Both are read from the recorded eval points after the run.
 
-Output (``--out``, default ``benchmarks/results/time_to_target``): ``results.json`` (every eval point of
-every run), ``table.md`` (printed too: time / steps / samples to target per method, ratios TRL/async and
-sync/async) and ``accuracy_vs_time.png`` (accuracy vs training clock, all methods, target and base dashed).
+Statistics (``_stats.py``, ``_ttt_report.py``): ``--repeats`` seeds per method (default 5), interleaved
+(async, sync, trl, async, ...), seed i of every method sharing prompts, sampling seed and eval problems, so
+methods are compared pair by pair. A run that never reaches a target is censored at its last eval, and the
+median time is the Kaplan-Meier median ("not reached" when fewer than half are estimated to reach it); it is
+given without setup and with setup included. Ratios TRL/async and sync/async (and hf/vLLM) are ratios of
+KM medians with a paired bootstrap 95% interval. Accuracy at fixed training-clock budgets (``--budgets-s``,
+the last eval at or before each) is reported as mean and 95% t interval per method, and as paired
+differences between methods; it is less noisy than first passage. ``--resume`` keeps the runs already
+finished in ``--out`` and its base accuracy, so a long study can run over several sessions.
+
+Output (``--out``, default ``benchmarks/results/time_to_target``), rewritten after every run:
+``results.json`` (every eval point of every run, the summary, the paired comparisons), ``table.md`` (printed
+too) and ``accuracy_vs_time.png`` (every run faint, the median over seeds bold, targets dashed); one
+``run-METHOD-sSEED.json`` per finished run.
 
 Commands (repository root, venv active; TRL: ``pip install torch==2.13.0 trl`` or ``pip install -e ".[bench]"``
 after torch is installed)
@@ -54,12 +66,14 @@ Smoke test (2-layer model, ~4 minutes on 2 busy cores; the target is the base ac
 "reached" path runs; the numbers mean nothing; ``--threads 1`` because the machine is shared, see Caveats)::
 
     python benchmarks/time_to_target.py --layers 2 --threads 1 --eval-size 16 --budget-s 30 --eval-every-s 10 \\
-        --target-delta 0 --no-stop-at-target --set task.train_size=64 --set searcher.max_new_tokens=8 \\
+        --target-deltas 0 --repeats 1 --set task.train_size=64 --set searcher.max_new_tokens=8 \\
         --set buffer.min_fill=16 --out /tmp/ttt_smoke
 
-Full (quickstart model and recipe, 60 steps, 200 eval problems every 60 s; ~1.5-2 h on 2 CPU cores)::
+The study (quickstart model and recipe with its shipped ``buffer.min_fill``, 400 held-out problems, an eval
+every 30 s of training clock, 240 s per run, 5 seeds x 3 methods; ~7 minutes a run on 2 CPU cores; resumable)::
 
-    python benchmarks/time_to_target.py --budget-s 1800 --eval-every-s 60 --out benchmarks/results/time_to_target
+    python benchmarks/time_to_target.py --eval-size 400 --eval-every-s 30 --budget-s 240 --repeats 5 \\
+        --resume --out benchmarks/results/time_to_target-study
 
 On a GPU machine the same command with a bigger budget (e.g. ``--set trainer.max_steps=500
 --set trainer.beta_anneal_steps=500 --budget-s 3600 --repeats 3``); tba places its models where tba does,
@@ -68,7 +82,7 @@ TRL uses the GPU if there is one, and the eval model goes to ``--device`` (defau
 tba async with its own engine and with vLLM searchers, side by side (here with the smoke settings)::
 
     python benchmarks/time_to_target.py --methods async async-vllm --layers 2 --threads 1 --eval-size 16 \\
-        --budget-s 30 --eval-every-s 10 --target-delta 0 --no-stop-at-target --set task.train_size=64 \\
+        --budget-s 30 --eval-every-s 10 --target-deltas 0 --repeats 1 --set task.train_size=64 \\
         --set searcher.max_new_tokens=8 --set buffer.min_fill=16 --out /tmp/ttt_vllm_smoke
 
 Caveats: wall times on a shared machine depend on whatever else runs there; ``--repeats`` runs the methods
@@ -76,9 +90,8 @@ interleaved (async, sync, trl, async, ...) and reports medians. On a machine who
 jobs, multi-threaded torch in one process stalls (its threads wait for each other at every op: measured 5-10x
 slower generation with 2 threads than with 1 on 2 loaded cores), which hits TRL's single 2-thread process and
 not tba's 1-thread actors: there, pass ``--threads 1`` (TRL then has one core to tba's two) or, better, run on
-an idle machine. A 200-problem eval has a standard error of
-about 0.03, so with a target of base + 0.10 a run can "reach" it early by noise; a run that reaches it
-first is not necessarily better by more than a couple of eval intervals.
+an idle machine. A 400-problem eval has a standard error of about 0.024 near accuracy 0.4, so a run can
+"reach" a target one eval early or late by noise; the paired intervals carry that noise.
 """
 
 from __future__ import annotations
@@ -104,19 +117,14 @@ from _common import (
     parse_sets,
     peak_rss_mib,
     pick_device,
-    pyplot,
     quiet_env,
-    save_figure,
     warnings_only_logging,
     write_json,
 )
+from _ttt_report import LABELS, compare, format_table, plot, summarize
 
 METHODS = ("async", "sync", "trl", "async-vllm", "sync-vllm")
 DEFAULT_METHODS = ("async", "sync", "trl")
-LABELS = {"async": "tba async (TBA)", "sync": "tba sync (on-policy)", "trl": "TRL GRPOTrainer",
-          "async-vllm": "tba async (TBA), vLLM searchers", "sync-vllm": "tba sync (on-policy), vLLM searchers"}
-COLORS = {"async": "tab:blue", "sync": "tab:orange", "trl": "tab:green", "async-vllm": "tab:purple",
-          "sync-vllm": "tab:brown"}
 #: applied before the user's --set overrides (which win); the benchmark evaluates itself
 BENCH_DEFAULTS = {"trainer.save_final": False, "run.checkpoint_every": 0, "run.eval_before": False,
                   "run.eval_after": False, "run.tensorboard": False}
@@ -274,11 +282,14 @@ class Tracker:
     """Decides when to evaluate and when to stop; records the curve."""
 
     def __init__(self, args, target: float, evaluator, clock: Clock):
+        """``target``: the highest accuracy target; with ``--stop-at-target`` the run ends once it is reached
+        (times to every target are read from the recorded points afterwards)."""
         self.args, self.target, self.evaluator, self.clock = args, target, evaluator, clock
         self.next_t = args.eval_every_s if args.eval_every_s else math.inf
         self.points: list[dict] = []
         self.reached: dict | None = None
         self.max_tree_rss = 0.0
+        self.step_ends: list[float] = []  # training clock at the end of each step (TRL's step times)
         self.rss_by_name: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
@@ -405,7 +416,10 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
             "train_step_s_median": statistics.median(last["train_step_s"]) if last["train_step_s"] else 0.0,
             "driver_peak_rss_mib": peak_rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
             "rss_by_process_mib": tracker.rss_by_name,
-            "frozen_searchers": [p.get("frozen_searchers") for p in tracker.points]}
+            "frozen_searchers": [p.get("frozen_searchers") for p in tracker.points],
+            "threads": {"trainer": cfg.trainer.threads, "searchers": f"{cfg.searcher.num_searchers} x "
+                        f"{cfg.searcher.threads}", "eval": args.threads, "OMP_NUM_THREADS": os.environ.get(
+                            "OMP_NUM_THREADS")}}
 
 
 def trl_dataset(task):
@@ -466,6 +480,7 @@ def trl_eval_callback(args, tracker: Tracker, max_steps: int, samples_per_step: 
 
         def on_step_end(self, a, state, control, model=None, **kw):
             step = state.global_step
+            tracker.step_ends.append(clock.elapsed())  # before any eval: the step's own time
             if tracker.eval_now(step, max_steps):
                 m = model
                 tracker.record(step, step * samples_per_step, lambda: cast_weights(m, gen_dtype))
@@ -508,6 +523,8 @@ def run_trl(args, seed: int, target: float) -> dict:
     setup_s = time.perf_counter() - t_setup
     trainer.train()
     train_s = tracker.clock.elapsed()
+    ends = [0.0] + tracker.step_ends
+    trl_step_s = statistics.median(b - a for a, b in zip(ends, ends[1:])) if tracker.step_ends else 0.0
     step = trainer.state.global_step
     tracker.record_final(step, step * n_per_step, lambda: cast_weights(trainer.model, gen_dtype))
     return {"method": "trl", "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": step,
@@ -515,6 +532,9 @@ def run_trl(args, seed: int, target: float) -> dict:
             "driver_peak_rss_mib": peak_rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
             "rss_by_process_mib": tracker.rss_by_name,
             "trl_prompt_tokens_match_tba": same_tokens,
+            "threads": {"torch": torch.get_num_threads(), "interop": torch.get_num_interop_threads(),
+                        "eval": args.threads, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")},
+            "train_step_s_median": trl_step_s,
             "trl": {"beta": args.trl_beta, "loss_type": args.trl_loss_type,
                     "gradient_checkpointing": args.trl_gradient_checkpointing}}
 
@@ -532,7 +552,7 @@ def _trl_prompt_tokens(trainer, tok, prompt) -> list[int] | None:
 
 def worker_main(args) -> int:
     torch.set_num_threads(args.threads)
-    target = args.target
+    target = args.stop_target
     try:
         if args.worker == "trl":
             res = run_trl(args, args.worker_seed, target)
@@ -545,131 +565,6 @@ def worker_main(args) -> int:
         res = {"method": args.worker, "seed": args.worker_seed, "error": error_line(e, 0)}
     write_json(Path(args.worker_out), res)
     return 0 if "error" not in res else 1
-
-
-# -- report --------------------------------------------------------------------------------------------
-
-def summarize(runs: list[dict], methods: list[str], budget_s: float) -> dict[str, dict]:
-    out = {}
-    for m in methods:
-        rs = [r for r in runs if r.get("method") == m and "error" not in r]
-        reached = [r["reached"] for r in rs if r.get("reached")]
-        times = [p["train_s"] for p in reached]
-        out[m] = {
-            "runs": len(rs), "failed": len([r for r in runs if r.get("method") == m and "error" in r]),
-            "reached": len(reached),
-            "time_to_target_s": statistics.median(times) if rs and len(reached) == len(rs) else None,
-            "time_to_target_all_s": [r["reached"]["train_s"] if r.get("reached") else None for r in rs],
-            "steps_to_target": statistics.median([p["step"] for p in reached]) if reached else None,
-            "samples_to_target": statistics.median([p["samples"] for p in reached]) if reached else None,
-            "train_s": statistics.median([r["train_s"] for r in rs]) if rs else None,
-            "steps": statistics.median([r["steps"] for r in rs]) if rs else None,
-            "s_per_step": statistics.median([r["train_s"] / max(1, r["steps"]) for r in rs]) if rs else None,
-            "final_accuracy": statistics.median([r["points"][-1]["accuracy"] for r in rs if r["points"]])
-            if rs else None,
-            "best_accuracy": statistics.median([max(p["accuracy"] for p in r["points"]) for r in rs if r["points"]])
-            if rs else None,
-            "setup_s": statistics.median([r["setup_s"] for r in rs]) if rs else None,
-            "peak_rss_mib": max([r.get("tree_rss_max_mib", 0) or r.get("driver_peak_rss_mib", 0) for r in rs],
-                                default=None),
-            "budget_s": budget_s,
-            "trainer_idle_frac": statistics.median([r["trainer_idle_frac"] for r in rs if "trainer_idle_frac" in r])
-            if any("trainer_idle_frac" in r for r in rs) else None,
-            "errors": [r["error"] for r in runs if r.get("method") == m and "error" in r],
-            "rss_by_process_mib": {k: max(r.get("rss_by_process_mib", {}).get(k, 0.0) for r in rs)
-                                   for k in {k for r in rs for k in r.get("rss_by_process_mib", {})}},
-        }
-    return out
-
-
-def _ratio(num: dict, den: dict) -> str:
-    if not num["runs"] or not den["runs"]:
-        return "n/a (a method has no successful run)"
-    a, b = num.get("time_to_target_s"), den.get("time_to_target_s")
-    if a is not None and b is not None:
-        return f"{a / b:.2f}x"
-    if a is None and b is not None and num["runs"]:
-        return f"> {num['train_s'] / b:.2f}x (numerator did not reach the target in {num['train_s']:.0f} s)"
-    if a is not None and b is None and den["runs"]:
-        return f"< {a / den['train_s']:.2f}x (denominator did not reach the target in {den['train_s']:.0f} s)"
-    return "n/a (neither reached the target)"
-
-
-def format_table(summary: dict, meta: dict) -> str:
-    def fmt(x, f="{:.0f}"):
-        return "-" if x is None else f.format(x)
-
-    lines = [f"# Time to target ({meta['time']})", "",
-             (f"Base greedy accuracy {meta['base']['accuracy']:.3f} (+- {meta['base']['stderr']:.3f}) on "
-              f"{meta['base']['n']} held-out problems; target {meta['target']:.3f}. Training clock excludes "
-              f"setup and evals. {meta['desc']}"), "",
-             ("| method | time to target s (median) | reached | steps to target | samples to target | "
-              "best / final accuracy | steps run | train s | s/step | setup s | "
-              "RSS MiB (max at evals, all processes) |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for m, s in summary.items():
-        lines.append(f"| {LABELS[m]} | {fmt(s['time_to_target_s'], '{:.1f}')} | {s['reached']}/{s['runs']}"
-                     f"{' (' + str(s['failed']) + ' failed)' if s['failed'] else ''} | {fmt(s['steps_to_target'])} | "
-                     f"{fmt(s['samples_to_target'])} | {fmt(s['best_accuracy'], '{:.3f}')} / "
-                     f"{fmt(s['final_accuracy'], '{:.3f}')} | {fmt(s['steps'])} | {fmt(s['train_s'])} | "
-                     f"{fmt(s['s_per_step'], '{:.2f}')} | {fmt(s['setup_s'])} | {fmt(s['peak_rss_mib'])} |")
-    lines.append("")
-    for m, s in summary.items():
-        times = ", ".join("-" if t is None else f"{t:.0f}" for t in s["time_to_target_all_s"])
-        idle = "" if s.get("trainer_idle_frac") is None else \
-            f"; trainer idle {s['trainer_idle_frac']:.1%} of the training loop (median, perf/trainer_idle_frac)"
-        lines.append(f"- {LABELS[m]}: time to target per run (s, by seed; - = not reached): {times}{idle}")
-    for m, s in summary.items():
-        if s.get("rss_by_process_mib"):
-            lines.append(f"- {LABELS[m]} max RSS per process (MiB, sampled at evals): " + ", ".join(
-                f"{k} {v:.0f}" for k, v in sorted(s["rss_by_process_mib"].items(), key=lambda kv: -kv[1])[:6]))
-        for r in s.get("errors", []):
-            lines.append(f"- {LABELS[m]} run failed: {r[:200]}")
-    if "async" in summary:
-        if "trl" in summary:
-            lines.append(f"- TRL GRPO / tba async time to target: **{_ratio(summary['trl'], summary['async'])}** "
-                         "(target: >= 2x)")
-        if "sync" in summary:
-            lines.append(f"- tba sync / tba async time to target: **{_ratio(summary['sync'], summary['async'])}** "
-                         "(target: > 1x)")
-    if "async-vllm" in summary and "async" in summary:
-        lines.append(f"- tba async, hf engine / vLLM searchers time to target: "
-                     f"{_ratio(summary['async'], summary['async-vllm'])}")
-    if "trl" in summary and "sync" in summary:
-        lines.append(f"- TRL GRPO / tba sync time to target: {_ratio(summary['trl'], summary['sync'])}")
-    lines += ["", "Command: `" + meta["command"] + "`", ""]
-    return "\n".join(lines)
-
-
-def plot(runs: list[dict], meta: dict, path: Path) -> Path:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    base = meta["base"]["accuracy"]
-    seen = set()
-    for r in runs:
-        if "error" in r or not r.get("points"):
-            continue
-        m = r["method"]
-        xs = [0.0] + [p["train_s"] for p in r["points"]]
-        ys = [base] + [p["accuracy"] for p in r["points"]]
-        ax.plot(xs, ys, marker="o", markersize=3, color=COLORS[m], alpha=0.9,
-                label=None if m in seen else LABELS[m])
-        seen.add(m)
-        if r.get("reached"):
-            ax.axvline(r["reached"]["train_s"], color=COLORS[m], linestyle=":", linewidth=1)
-    ys_all = [base, meta["target"]] + [p["accuracy"] for r in runs if "error" not in r for p in r.get("points", [])]
-    lo, hi = max(-0.02, min(ys_all) - 0.05), min(1.02, max(ys_all) + 0.05)
-    if hi - lo < 0.2:
-        lo, hi = max(-0.02, (lo + hi) / 2 - 0.1), min(1.02, max(0.2, (lo + hi) / 2 + 0.1))
-    ax.set_ylim(lo, hi)
-    ax.axhline(meta["target"], color="black", linestyle="--", linewidth=1, label=f"target {meta['target']:.3f}")
-    ax.axhline(base, color="gray", linestyle="--", linewidth=1, label=f"base {base:.3f}")
-    ax.set_xlabel("training wall-clock seconds (setup and evals excluded)")
-    ax.set_ylabel(f"greedy eval accuracy ({meta['base']['n']} problems)")
-    ax.set_title(f"Accuracy vs wall-clock: {meta['short']}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return save_figure(fig, path)
 
 
 # -- parent --------------------------------------------------------------------------------------------
@@ -685,24 +580,34 @@ def trl_missing() -> bool:
     return False
 
 
-def base_and_target(args, cfg, policy_path: str) -> tuple[dict, float]:
-    """The base model's eval (in this process) and the accuracy target (``--target``, or base + delta)."""
-    print("base accuracy ...", flush=True)
-    ev = Evaluator(cfg, policy_path, pick_device(args.device), args.threads)
-    base = ev()
-    del ev
-    target = args.target if args.target is not None else base["accuracy"] + args.target_delta
+def base_and_targets(args, cfg, policy_path: str, out: Path) -> tuple[dict, dict[str, float]]:
+    """The base model's eval (in this process; reused from ``out/base.json`` when resuming, so every run of a
+    study is judged against one base) and the targets ``{"base+0.10": accuracy, ...}``."""
+    cached = out / "base.json"
+    if args.resume and cached.is_file():
+        base = json.loads(cached.read_text())
+    else:
+        print("base accuracy ...", flush=True)
+        ev = Evaluator(cfg, policy_path, pick_device(args.device), args.threads)
+        base = ev()
+        del ev
+        write_json(cached, base)
+    targets = {f"base+{d:.2f}": base["accuracy"] + d for d in args.target_deltas}
     print(f"base accuracy {base['accuracy']:.3f} +- {base['stderr']:.3f} (n={base['n']}, {base['eval_s']:.1f} s); "
-          f"target {target:.3f}", flush=True)
-    return base, target
+          "targets " + ", ".join(f"{k} = {v:.3f}" for k, v in targets.items()), flush=True)
+    return base, targets
 
 
 def run_worker(args, argv: list[str], method: str, seed: int, target: float, out: Path) -> dict:
-    """One method's run in a subprocess (this script with ``--worker``); its record, or one with an error."""
+    """One method's run in a subprocess (this script with ``--worker``); its record, or one with an error.
+    With ``--resume``, a run already finished without error is read back instead of run again."""
     wout = out / f"run-{method}-s{seed}.json"
+    if args.resume and wout.is_file() and "error" not in (done := json.loads(wout.read_text())):
+        print(f"== {LABELS[method]} (seed {seed}): finished earlier, kept ==", flush=True)
+        return done
     wout.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", method, "--worker-seed", str(seed),
-           "--worker-out", str(wout), "--target", repr(target)]
+           "--worker-out", str(wout), "--stop-target", repr(target)]
     print(f"\n== {LABELS[method]} (seed {seed}) ==", flush=True)
     t0 = time.monotonic()
     try:
@@ -712,15 +617,17 @@ def run_worker(args, argv: list[str], method: str, seed: int, target: float, out
         rc = "timeout"
     if wout.is_file():
         rec = json.loads(wout.read_text())
+        rec["wall_s"] = time.monotonic() - t0
+        write_json(wout, rec)
     else:
         rec = {"method": method, "seed": seed, "error": f"worker exited {rc} without a result"}
-    rec["wall_s"] = time.monotonic() - t0
+    rec.setdefault("wall_s", time.monotonic() - t0)
     if "error" in rec:
         print(f"  {method} failed: {rec['error']}", flush=True)
     return rec
 
 
-def run_meta(args, argv: list[str], cfg, methods: list[str], base: dict, target: float) -> dict:
+def run_meta(args, argv: list[str], cfg, methods: list[str], base: dict, targets: dict[str, float]) -> dict:
     """What the table, the plot and results.json say about the setup."""
     c = cfg
     layers = f" ({c.model.num_hidden_layers} layers)" if c.model.num_hidden_layers else ""
@@ -730,18 +637,27 @@ def run_meta(args, argv: list[str], cfg, methods: list[str], base: dict, target:
             f"max new tokens {c.searcher.max_new_tokens}, temperature {c.searcher.temperature}, lr {c.trainer.lr} "
             f"({c.trainer.lr_schedule}), max {c.trainer.max_steps} steps, budget {args.budget_s:g} s of training "
             f"clock per run, eval every {args.eval_every_s:g} s{every_steps}, "
-            f"{args.repeats} repeat(s), {args.threads} threads; TRL beta {args.trl_beta}, loss {args.trl_loss_type}.")
-    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "base": base, "target": target, "desc": desc,
-            "short": f"{c.task.name}, {c.trainer.prompts_per_step}x{c.trainer.group_size}, "
-                     f"{c.model.num_hidden_layers or 'all'} layers, target {target:.3f}",
+            f"{args.repeats} seed(s) per method (paired: seed i of every method shares prompts, sampling seed and "
+            f"eval problems; run interleaved), {args.threads} threads for TRL and the eval; TRL beta "
+            f"{args.trl_beta}, loss {args.trl_loss_type}. Base greedy accuracy {base['accuracy']:.3f} (+- "
+            f"{base['stderr']:.3f}) on {base['n']} held-out problems; targets "
+            + ", ".join(f"{k} = {v:.3f}" for k, v in targets.items()) + ". Training clock excludes setup and evals; "
+            "'setup included' adds each run's model loading and Ray start. A run that never reaches a target is "
+            "censored at its last eval (Kaplan-Meier). Accuracy at a budget: the last eval at or before it.")
+    return {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "base": base, "targets": targets, "desc": desc,
+            "budgets": args.budgets_s, "short": f"{c.task.name}, {c.trainer.prompts_per_step}x{c.trainer.group_size}, "
+                                                 f"{c.model.num_hidden_layers or 'all'} layers",
             "command": command_line(argv), "methods": methods}
 
 
-def write_outputs(out: Path, runs: list[dict], summary: dict, meta: dict) -> None:
+def write_outputs(out: Path, runs: list[dict], meta: dict) -> None:
     """``table.md`` (printed too), ``results.json`` and ``accuracy_vs_time.png`` in ``out``."""
-    table = format_table(summary, meta)
+    base = meta["base"]["accuracy"]
+    summary = summarize(runs, meta["methods"], meta["targets"], meta["budgets"], base)
+    comparisons = compare(runs, meta["targets"], meta["budgets"], base)
+    table = format_table(summary, comparisons, meta)
     (out / "table.md").write_text(table)
-    write_json(out / "results.json", {"meta": meta, "summary": summary, "runs": runs})
+    write_json(out / "results.json", {"meta": meta, "summary": summary, "comparisons": comparisons, "runs": runs})
     png = plot(runs, meta, out / "accuracy_vs_time.png")
     print("\n" + table, flush=True)
     print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {png}", flush=True)
@@ -766,11 +682,13 @@ def run_all(args, argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
-    base, target = base_and_target(args, cfg, policy_path)
-    runs = [run_worker(args, argv, m, cfg.run.seed + rep, target, out)
-            for rep in range(args.repeats) for m in methods]
-    summary = summarize(runs, methods, args.budget_s)
-    write_outputs(out, runs, summary, run_meta(args, argv, cfg, methods, base, target))
+    base, targets = base_and_targets(args, cfg, policy_path, out)
+    meta = run_meta(args, argv, cfg, methods, base, targets)
+    runs = []
+    for rep in range(args.repeats):
+        for m in methods:
+            runs.append(run_worker(args, argv, m, cfg.run.seed + rep, max(targets.values()), out))
+            write_outputs(out, runs, meta)  # after every run: an interrupted study keeps its report
     return 0 if all("error" not in r for r in runs) else 1
 
 
@@ -786,11 +704,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every-s", type=float, default=60.0, help="evaluate after this much training clock")
     p.add_argument("--eval-every-steps", type=int, default=0, help="also evaluate every N steps (0: off)")
     p.add_argument("--budget-s", type=float, default=1800.0, help="max training-clock seconds per run")
-    p.add_argument("--target", type=float, default=None, help="absolute accuracy target (default: base + delta)")
-    p.add_argument("--target-delta", type=float, default=0.10, help="target = base accuracy + this")
-    p.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=True,
-                   help="end a run once it reaches the target (default on)")
-    p.add_argument("--repeats", type=int, default=1, help="runs per method (seeds run.seed + i), interleaved")
+    p.add_argument("--target-deltas", type=float, nargs="+", default=[0.10, 0.15],
+                   help="targets = base accuracy + each (pick them below the plateau: first passage at the plateau "
+                        "is decided by eval noise)")
+    p.add_argument("--budgets-s", type=float, nargs="+", default=[60.0, 120.0, 240.0],
+                   help="report accuracy at these training-clock budgets (mean and 95%% CI over seeds)")
+    p.add_argument("--stop-at-target", action=argparse.BooleanOptionalAction, default=False,
+                   help="end a run once it reaches the highest target (default off: every run spends --budget-s, "
+                        "so the accuracy at every budget is measured)")
+    p.add_argument("--repeats", type=int, default=5, help="seeds per method (run.seed + i), interleaved")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the runs already finished in --out (and its base accuracy); run only the others")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads of TRL's single process and of the eval; default: the cores tba's runtime "
                         "uses (searcher.num_searchers x searcher.threads + trainer.threads: 2 for the quickstart)")
@@ -807,6 +731,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--worker-seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--stop-target", type=float, default=math.inf, help=argparse.SUPPRESS)
     return p
 
 
