@@ -61,3 +61,37 @@ def test_mean_ci_hand_values():
     assert math.isnan(st.mean_ci([1.0])["low"])
     d = st.paired_difference_ci([0.5, 0.6, 0.7], [0.4, 0.4, 0.4])  # differences 0.1 0.2 0.3
     assert d["mean"] == pytest.approx(0.2) and d["low"] == pytest.approx(0.2 - 0.24841, abs=1e-4)
+
+
+ttt = load_benchmark("_ttt_report")
+
+
+def _run(method, seed, points, setup_s=10.0):
+    return {"method": method, "seed": seed, "setup_s": setup_s, "train_s": points[-1][0], "steps": 10,
+            "points": [{"train_s": t, "accuracy": a, "step": i} for i, (t, a) in enumerate(points)]}
+
+
+def test_first_passage_and_accuracy_at_budget():
+    run = _run("async", 0, [(15, 0.30), (30, 0.42), (45, 0.38), (60, 0.47)], setup_s=12.0)
+    assert ttt.first_passage(run, 0.40) == (30, True)  # the first eval at or above, not the best one
+    assert ttt.first_passage(run, 0.40, with_setup=True) == (42.0, True)
+    assert ttt.first_passage(run, 0.50) == (60, False)  # censored at the last eval
+    assert ttt.accuracy_at(run, 10, base=0.25) == 0.25  # before the first eval: the base
+    assert ttt.accuracy_at(run, 50, base=0.25) == 0.38  # the last eval at or before the budget
+    assert ttt.accuracy_at(run, 999, base=0.25) == 0.47
+
+
+def test_summary_and_paired_comparison_from_points():
+    # async reaches 0.40 at 15 s in every seed, sync at 30 s: ratio 2 with a point interval
+    runs = [_run("async", s, [(15, 0.41), (30, 0.45)]) for s in range(3)] + \
+        [_run("sync", s, [(15, 0.35), (30, 0.40)]) for s in range(3)]
+    summary = ttt.summarize(runs, ["async", "sync"], {"base+0.10": 0.40}, [15.0], base=0.30)
+    assert summary["async"]["targets"]["base+0.10"]["train"]["km_median_s"] == 15
+    assert summary["sync"]["targets"]["base+0.10"]["with_setup"]["km_median_s"] == 40  # 30 s + 10 s setup
+    assert summary["sync"]["budget_accuracy"]["15.0"]["mean"] == pytest.approx(0.35)
+    (cmp,) = ttt.compare(runs, {"base+0.10": 0.40}, [15.0], base=0.30)
+    assert (cmp["num"], cmp["den"]) == ("sync", "async")
+    assert cmp["ratio"]["base+0.10/train"]["ratio"] == pytest.approx(2.0)
+    assert cmp["ratio"]["base+0.10/train"]["low"] == pytest.approx(2.0)
+    # accuracy at 15 s: async 0.41 minus sync 0.35 in every pair
+    assert cmp["budget_difference"]["15.0"]["mean"] == pytest.approx(0.06)
