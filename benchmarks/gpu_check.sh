@@ -28,7 +28,7 @@ timeout 240 tba train configs/quickstart.yaml --searcher.engine vllm --max-steps
     --output-dir "$out/quickstart" > "$out/quickstart.log" 2>&1
 quickstart_rc=$?
 
-timeout 180 python benchmarks/throughput.py --device cuda --engines vllm hf generate --batch-sizes 64 256 \
+timeout 180 python benchmarks/throughput.py --device cuda --engines engine vllm generate --batch-sizes 64 256 \
     --skip publish --out "$out/throughput.md" > "$out/throughput.log" 2>&1
 throughput_rc=$?
 
