@@ -317,3 +317,26 @@ def test_bad_sample_args_raise():
         buf.sample(1, 0, step=0)
     with pytest.raises(TypeError):
         buf.add([{"prompt_id": 0}])
+
+
+def test_reuse_counts_hand_counted():
+    """buffer/reuse_*: how many times each trained sample has been drawn, counted by hand.
+
+    m = 1, one prompt with samples a (v0) and b (v1) in the recent set, K = 2: every batch takes both, so
+    after batch n each has been drawn n times. A third sample c (v2) is then the whole recent set (only
+    samples added since the previous sync join it): the batch tops up with replacement, [c, c], so c has
+    been drawn twice; a restored buffer continues the count (4 after the next [c, c])."""
+    buf = make_buffer(on_policy_prob=1.0, capacity_per_prompt=2)
+    buf.add([mk(0, 0), mk(0, 1)])
+    buf.sync(0)
+    for n in (1, 2):
+        m = buf.sample(1, 2, step=2).metrics
+        assert (m["buffer/reuse_mean"], m["buffer/reuse_max"]) == (n, n)
+    buf.add([mk(0, 2)])  # capacity 2: evicts a (v0)
+    buf.sync(2)
+    m = buf.sample(1, 2, step=3).metrics
+    assert (m["buffer/reuse_mean"], m["buffer/reuse_max"]) == (2.0, 2.0)
+    # the counts survive a checkpoint round trip
+    restored = make_buffer(on_policy_prob=1.0, capacity_per_prompt=2)
+    restored.load_state_dict(json.loads(json.dumps(buf.state_dict())))
+    assert restored.sample(1, 2, step=4).metrics["buffer/reuse_max"] == 4.0

@@ -81,6 +81,24 @@ def test_sync_mode_is_on_policy(tmp_path, cli):
     assert all(0 <= rec["perf/trainer_idle_frac"] < 1 for rec in records)
 
 
+def test_generation_lag_sets_staleness_without_reuse(tmp_path, cli):
+    """trainer.generation_lag L = 2 with k = 1 and m = 1: searchers generate with the weights of 2 versions
+    ago, so from step 3 on every trained sample is at least 2 steps stale (without the lag the newest samples
+    are 0-1 steps stale), and at most a few more (the generation of a batch spans steps)."""
+    out = tmp_path / "lag"
+    r = cli.run([*TINY, "--max-steps", "8", "--trainer.sync_period", "1", "--trainer.generation_lag", "2",
+                 "--buffer.on_policy_prob", "1", "--run.eval_before", "false", "--run.eval_after", "false",
+                 "--trainer.save_final", "false", "--output-dir", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = [rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec]
+    assert len(records) == 8
+    # the batch of step s is drawn at trainer step s - 1, when the newest served version is s - 1 - 2
+    assert all(rec["buffer/staleness_min"] >= min(2, rec["step"] - 1) for rec in records)
+    assert all(rec["buffer/staleness_max"] <= rec["step"] - 1 for rec in records)
+    assert max(rec["searcher/max_version"] for rec in records) <= 8 - 2
+    assert all(rec["buffer/reuse_max"] >= 1 for rec in records)
+
+
 def test_bad_config_fails_before_loading(tmp_path, cli):
     t0 = time.monotonic()
     r = cli.run(["--trainer.lr", "-3", "--output-dir", str(tmp_path / "x")], timeout=60)

@@ -273,6 +273,40 @@ def test_engine_interface_and_seeded_sampling(tiny_model, tokenizer):
     assert draw(7) != draw(8)
 
 
+@pytest.mark.parametrize("kind, warmup, total, want", [
+    ("constant", 4, 6, [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]),  # warmup i / 4: the first update is not lr 0
+    ("linear", 0, 4, [0.8, 0.6, 0.4, 0.2]),  # (T - i + 1) / (T + 1): the last update is not lr 0 either
+    ("wsd", 2, 5, [0.5, 1.0, 1.0, 2 / 3, 1 / 3]),  # warmup 2, decay 3 ending at step 6 (= T + 1)
+])
+def test_scheduler_lr_of_each_update_hand_values(kind, warmup, total, want):
+    from tba.trainer import build_scheduler
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = build_scheduler(opt, kind, total, warmup, decay_steps=3)
+    used = []
+    for _ in range(total):
+        used.append(sched.get_last_lr()[0])  # what Trainer.step logs as train/lr and the update uses
+        opt.step()
+        sched.step()
+    assert used == pytest.approx(want)
+
+
+def test_step0_tb_residual_is_zero_with_the_reference_as_policy(model_path, tokenizer):
+    """Policy = reference, both float32, rewards all equal: every TB residual is 0, so the loss and the
+    policy-reference gap (train/abs_logratio_*) are 0 up to float32 rounding (1e-6)."""
+    from tba.models import load_causal_lm
+
+    _, prompts = _prompts(tokenizer)
+    model = load_causal_lm(model_path, torch.float32, 2)
+    batch = _batch(model, prompts)
+    for s in batch.samples:
+        s.reward = 1.0
+    tr = Trainer(model, 0, TrainerConfig(lr=1e-4, lr_schedule="constant"), LossConfig(), temperature=0.7)
+    m = tr.step(batch)
+    assert abs(m["loss/tb"]) < 1e-6
+    assert m["train/abs_logratio_token_mean"] < 1e-6 and m["train/abs_logratio_seq_mean"] < 1e-5
+
+
 def test_beta_schedule_hand_values():
     # GSM8K recipe: 0.012 -> 0.004 over 500 steps; halfway is 0.008, then flat
     assert linear_beta(0, 0.012, 0.004, 500) == pytest.approx(0.012)

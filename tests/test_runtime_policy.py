@@ -56,6 +56,20 @@ def test_weight_board_hands_out_only_newer_versions():
     assert board.newer_than(0) == "w2" and board.newer_than(1) == "w2" and board.newer_than(2) is None
 
 
+def test_weight_board_lag_serves_older_versions():
+    """trainer.generation_lag L = 2: searchers get the weights published 2 publications before the newest;
+    the initial policy (version 0) until 3 exist; a resume restarts the window at the resumed version."""
+    board = WeightBoard(lag=2)
+    served = []
+    for v in (1, 2, 3, 4):
+        board.publish(v, f"w{v}")
+        served.append((board.version, board.newer_than(0)))
+    assert served == [(0, None), (0, None), (1, "w1"), (2, "w2")]
+    assert board.newer_than(2) is None  # a searcher holding version 2 gets nothing newer
+    board.publish(10, "w10", reset=True)
+    assert (board.version, board.newer_than(4)) == (10, "w10")
+
+
 def test_searcher_metrics_average_between_drains():
     m = SearcherMetrics()
     m.add(8, {"searcher/reward_mean": 0.5, "searcher/reward_failures": 1.0}, searcher_id=0, version=2)

@@ -1,19 +1,17 @@
 """Replay buffer: per-prompt groups of scored responses, and the TBA batch-sampling rule.
 
-Source: docs/algorithm.md section 3 / TBA paper (arXiv 2503.18929). Samples are
-grouped by ``prompt_id``; a training batch mixes an "on-policy" branch (prompts whose samples arrived at
-the most recent weight sync, their newest samples) and an off-policy branch (all prompts seen so far,
-responses drawn by softmax(inv_temp * reward)).
+Source: docs/algorithm.md section 3 / TBA paper (arXiv 2503.18929). Samples are grouped by ``prompt_id``;
+a batch mixes an "on-policy" branch (prompts whose samples arrived at the most recent weight sync, their
+newest samples) and an off-policy branch (all prompts so far, responses by softmax(inv_temp * reward)).
 
 Async semantics in brief. Searchers call :meth:`ReplayBuffer.add` whenever they finish a batch. Every
 time the trainer publishes weights (every k trainer steps) it calls ``sync(published_step - k)``: the
 prompts that received samples since the previous sync, restricted to samples with
 ``policy_version >= published_step - k``, become the "recent" set the on-policy branch draws from until
 the next sync. Those samples are used at trainer steps ``published_step .. published_step + k - 1``, so
-their staleness ``step - policy_version`` is at most ``2k - 1``.
-
-Only ``tba.types``, ``tba.config`` and the standard library are imported: the Ray actor that serves this buffer to
-searchers and the trainer lives in ``tba.runtime``.
+their staleness ``step - policy_version`` is at most ``2k - 1`` (plus L x k with ``trainer.generation_lag``
+L, where the driver syncs from ``published_step - k - L x k``). Imports only ``tba.types``, ``tba.config``
+and the standard library; the Ray actor serving it lives in ``tba.runtime``.
 """
 
 from __future__ import annotations
@@ -89,8 +87,8 @@ class ReplayBuffer:
         self._recent_pos = 0
         self._epoch_order: list[int] = []
         self._epoch_pos = 0
-
-    # ------------------------------------------------------------------ insertion
+        # seq -> times the sample was drawn into a training batch (reuse, logged beside staleness)
+        self._draws: dict[int, int] = {}
 
     def add(self, samples: list[Sample]) -> int:
         """Store scored responses, deduplicating and evicting per prompt (docs/algorithm.md section 3).
@@ -143,6 +141,7 @@ class ReplayBuffer:
         group = self._groups[pid]
         s = group.entries.pop(seq)
         del group.by_response[tuple(s.response_ids)]
+        self._draws.pop(seq, None)
         self._size -= 1
         pending = self._pending.get(pid)
         if pending is not None and seq in pending:
@@ -155,17 +154,14 @@ class ReplayBuffer:
             if not recent:  # the on-policy cursor skips prompts no longer in the set
                 del self._recent[pid]
 
-    # ------------------------------------------------------------------ weight sync
-
     def sync(self, min_version: int) -> int:
         """Start a new "recent" set; call each time the trainer publishes weights (docs/algorithm.md section 3).
 
-        The trainer publishing version ``v`` every k steps calls ``sync(v - k)``. The new recent set is
-        the prompts that received, since the previous sync, at least one sample with
-        ``policy_version >= min_version``; for each, exactly those samples count as recent. Samples
-        added since the previous sync are then no longer "pending", whether they qualified or not.
-        If no prompt qualifies, the previous recent set is kept so the on-policy branch never starves
-        (the 2k - 1 staleness bound then holds only once fresh samples arrive again).
+        The trainer publishing version ``v`` every k steps calls ``sync(v - k)``. The new recent set is the
+        prompts that received, since the previous sync, a sample with ``policy_version >= min_version``; for
+        each, exactly those samples are recent. Samples added since the previous sync stop being "pending",
+        qualified or not. If no prompt qualifies, the previous recent set is kept so the on-policy branch
+        never starves (the 2k - 1 bound then holds once fresh samples arrive again).
 
         Args:
             min_version: oldest policy version (trainer step) that still counts as recent.
@@ -184,8 +180,6 @@ class ReplayBuffer:
             self._recent = new
             self._recent_order, self._recent_pos = [], 0  # reshuffled at the next on-policy draw
         return len(self._recent)
-
-    # ------------------------------------------------------------------ sampling
 
     def sample(self, num_prompts: int, group_size: int, step: int) -> Batch:
         """Draw a training batch of B prompts x K responses, group-major (docs/algorithm.md section 3).
@@ -207,8 +201,10 @@ class ReplayBuffer:
 
         Returns:
             ``Batch(samples=B*K stored Sample objects, group_size=K, metrics)`` with metrics
-            ``buffer/staleness_mean``, ``buffer/staleness_max`` (trainer steps, over the B*K samples)
-            and ``buffer/on_policy_frac`` (fraction of the B prompts drawn from the recent set).
+            ``buffer/staleness_mean`` / ``_min`` / ``_max`` (trainer steps, over the B*K samples),
+            ``buffer/on_policy_frac`` (fraction of the B prompts drawn from the recent set) and
+            ``buffer/reuse_mean`` / ``buffer/reuse_max`` (over the B*K entries: how many times that sample
+            has been drawn for training, this batch included; 1 = first use).
 
         Raises:
             ValueError: the buffer is empty, or B or K is < 1.
@@ -230,12 +226,23 @@ class ReplayBuffer:
             else:
                 out.extend(self._draw_weighted(self._next_epoch_prompt(), group_size))
         staleness = [step - s.policy_version for s in out]
+        reuse = self._count_draws(out)
         metrics = {
             "buffer/staleness_mean": sum(staleness) / len(staleness),
+            "buffer/staleness_min": float(min(staleness)),
             "buffer/staleness_max": float(max(staleness)),
             "buffer/on_policy_frac": on_policy / num_prompts,
+            "buffer/reuse_mean": sum(reuse) / len(reuse),
+            "buffer/reuse_max": float(max(reuse)),
         }
         return Batch(samples=out, group_size=group_size, metrics=metrics)
+
+    def _count_draws(self, drawn: list[Sample]) -> list[int]:
+        """Count a draw per entry of ``drawn``; returns each entry's draws so far, this one included."""
+        seqs = [self._groups[s.prompt_id].by_response[tuple(s.response_ids)] for s in drawn]
+        for q in seqs:
+            self._draws[q] = self._draws.get(q, 0) + 1
+        return [self._draws[q] for q in seqs]
 
     def _next_recent_prompt(self) -> int:
         """Next prompt of the shuffled pass over the recent set (caller checks it is non-empty)."""
@@ -293,8 +300,6 @@ class ReplayBuffer:
         weights = [math.exp(self.inv_temp * (r - top)) if not math.isnan(r) else 0.0 for r in rewards]
         return weights if sum(weights) > 0.0 else [1.0] * len(pool)
 
-    # ------------------------------------------------------------------ introspection
-
     def responses(self, prompt_id: int) -> list[Sample]:
         """The samples stored for ``prompt_id`` in insertion order (empty if none): a read-only view for logs
         and tests."""
@@ -311,13 +316,10 @@ class ReplayBuffer:
         return len(self._groups)
 
     def stats(self) -> dict[str, float]:
-        """Gauges for logging; O(number of stored samples).
-
-        Returns:
-            ``buffer/size`` (samples), ``buffer/prompts``, ``buffer/recent_prompts``, ``buffer/recent_samples``,
-            ``buffer/pending_samples`` (added since the last sync), ``buffer/largest_group`` (never above the
-            capacity per prompt) and, when non-empty, ``buffer/version_min`` / ``buffer/version_max`` (trainer steps).
-        """
+        """Gauges for logging, O(stored samples): ``buffer/size`` (samples), ``buffer/prompts``,
+        ``buffer/recent_prompts``, ``buffer/recent_samples``, ``buffer/pending_samples`` (added since the last
+        sync), ``buffer/largest_group`` (at most the capacity) and, when non-empty, ``buffer/version_min`` /
+        ``buffer/version_max`` (trainer steps)."""
         out = {
             "buffer/size": float(self._size),
             "buffer/prompts": float(len(self._groups)),
@@ -331,8 +333,6 @@ class ReplayBuffer:
             out["buffer/version_min"] = float(min(versions))
             out["buffer/version_max"] = float(max(versions))
         return out
-
-    # ------------------------------------------------------------------ checkpointing
 
     def state_dict(self) -> dict:
         """Everything needed to resume sampling exactly: JSON-serialisable plain Python data.
@@ -360,6 +360,7 @@ class ReplayBuffer:
             "epoch_order": list(self._epoch_order),
             "epoch_pos": self._epoch_pos,
             "rng": [version, list(internal), gauss_next],
+            "draws": [[q, n] for q, n in self._draws.items()],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -390,6 +391,7 @@ class ReplayBuffer:
             self._recent_pos = int(state["recent_pos"])
             self._epoch_order = [int(p) for p in state["epoch_order"]]
             self._epoch_pos = int(state["epoch_pos"])
+            self._draws = {int(q): int(n) for q, n in state.get("draws", [])}  # absent in older checkpoints
             version, internal, gauss_next = state["rng"]
             self._rng.setstate((version, tuple(internal), gauss_next))
         except KeyError as e:

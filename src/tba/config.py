@@ -177,12 +177,20 @@ class TrainerConfig(_Section):
     warmup_steps: int = Field(0, ge=0, description="Learning-rate warmup steps.")
     decay_steps: int = Field(0, ge=0, description="wsd: final decay steps (stable in between).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    grad_clip: Optional[float] = Field(
+        1.0, gt=0, description="Max global gradient norm; null = no clipping (the TB authors' loop does not clip; "
+        "TB's gradients are ~1/beta larger than RLOO's, so at 1.0 most TB steps are clipped: train/clipped).",
+    )
     beta_start: float = Field(0.012, gt=0, description="KL coefficient beta at step 0 (paper GSM8K: 0.012).")
     beta_end: float = Field(0.004, gt=0, description="beta after the anneal (paper GSM8K: 0.004).")
     beta_anneal_steps: int = Field(500, ge=0, description="Steps of the linear beta anneal (paper GSM8K: 500).")
     sync_period: int = Field(
         2, ge=1, description="k: publish weights to searchers every k steps (paper: 2 GSM8K, 10 TL;DR)."
+    )
+    generation_lag: int = Field(
+        0, ge=0, description="L: searchers generate with the weights published L publications before the newest "
+        "(a controlled staleness of about L x k steps that, unlike a longer sync period, does not reuse samples "
+        "more; for off-policy studies). 0 = the newest.",
     )
     threads: int = Field(1, ge=1, description="torch CPU threads of the trainer.")
     num_gpus: Optional[float] = Field(

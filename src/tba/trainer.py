@@ -29,20 +29,30 @@ def linear_beta(step: int, beta_start: float, beta_end: float, anneal_steps: int
 
 
 def build_scheduler(optimizer, kind: str, total_steps: int, warmup_steps: int, decay_steps: int):
-    """Learning-rate schedule from transformers (docs/algorithm.md section 4).
+    """Learning-rate schedule from transformers (docs/algorithm.md section 4), one optimizer update per step.
 
     ``wsd``: warmup-stable-decay (GSM8K: 50 warmup, 450 stable, 500 decay); ``linear``: warmup then linear
     decay to 0 (TL;DR); ``constant``: warmup then flat.
+
+    Update i (1-based) runs at transformers' schedule value for step i of a schedule one step longer: the
+    scheduler steps after each update, so transformers' own step-0 value (0 during warmup) would make the
+    first update a no-op, and the one-step-longer schedule keeps the last update's lr above 0 too. With
+    warmup W the updates run at lr x 1/W, 2/W, ...; a linear decay over T updates at (T - i + 1) / (T + 1).
     """
     from transformers import optimization as opt
 
+    dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)  # only its lr function is kept
+    total = total_steps + 1
     if kind == "wsd":
-        decay = min(decay_steps, max(0, total_steps - warmup_steps))
-        return opt.get_wsd_schedule(optimizer, num_warmup_steps=warmup_steps, num_decay_steps=decay,
-                                    num_stable_steps=total_steps - warmup_steps - decay, decay_type="linear")
-    if kind == "linear":
-        return opt.get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)
-    return opt.get_constant_schedule_with_warmup(optimizer, warmup_steps)
+        decay = min(decay_steps, max(0, total - warmup_steps))
+        inner = opt.get_wsd_schedule(dummy, num_warmup_steps=warmup_steps, num_decay_steps=decay,
+                                     num_stable_steps=total - warmup_steps - decay, decay_type="linear")
+    elif kind == "linear":
+        inner = opt.get_linear_schedule_with_warmup(dummy, warmup_steps, total)
+    else:
+        inner = opt.get_constant_schedule_with_warmup(dummy, warmup_steps)
+    lr_at = inner.lr_lambdas[0]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step + 1))
 
 
 class Trainer:
@@ -164,7 +174,8 @@ class Trainer:
             loss.backward()
         else:
             self._backward_micro(prompts, responses, torch.autograd.grad(loss, inp.logp)[0])
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip))
+        # max_norm inf measures the norm and scales nothing
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or math.inf))
         skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
         if skipped:
             self.skipped_steps += 1
@@ -176,9 +187,15 @@ class Trainer:
         self.step_count += 1
         dt = time.perf_counter() - t0
         n_tokens = int(inp.mask.sum()) + sum(len(p) for p in prompts)
+        # how far the policy's log-probs are from the reference's on these tokens; at step 0, with the
+        # policy equal to the reference, anything but 0 is precision (bf16 autocast vs the bf16 reference)
+        gap = (inp.logp.detach() - inp.ref_logp) * inp.mask  # [N, T] nats
         metrics.update({
+            "train/abs_logratio_token_mean": float(gap.abs().sum() / inp.mask.sum().clamp(min=1)),
+            "train/abs_logratio_seq_mean": float(gap.sum(-1).abs().mean()),
             "train/reward_mean": inp.reward.mean().item(), "train/beta": beta, "train/lr": lr,
             "train/grad_norm": grad_norm, "train/skipped": float(skipped),
+            "train/clipped": float(self.cfg.grad_clip is not None and grad_norm > self.cfg.grad_clip),
             "train/response_len_mean": float(inp.mask.sum(-1).mean()),
             "perf/train_step_s": dt, "perf/train_tokens_per_s": n_tokens / dt,
         })

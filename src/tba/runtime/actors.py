@@ -30,7 +30,7 @@ class BufferActor:
         c = Config.model_validate(cfg)
         self.buffer = ReplayBuffer(c.buffer, c.run.seed)
         self.min_fill = c.buffer.min_fill
-        self.board = WeightBoard()
+        self.board = WeightBoard(c.trainer.generation_lag)
         self.metrics = SearcherMetrics()
         self.stop = False
 
@@ -42,9 +42,10 @@ class BufferActor:
         return {"stop": self.stop, "version": self.board.version,
                 "weights": self.board.newer_than(searcher_version)}
 
-    def publish(self, version: int, weights_ref: list) -> None:
-        """Make ``weights_ref`` (a one-element list, so Ray does not resolve it) the newest policy."""
-        self.board.publish(version, weights_ref)
+    def publish(self, version: int, weights_ref: list, reset: bool = False) -> None:
+        """Make ``weights_ref`` (a one-element list, so Ray does not resolve it) the newest policy
+        (:meth:`WeightBoard.publish`)."""
+        self.board.publish(version, weights_ref, reset)
 
     def sync(self, min_version: int) -> int:
         """See :meth:`ReplayBuffer.sync`."""

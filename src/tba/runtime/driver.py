@@ -187,8 +187,8 @@ class RayRuntime:
         cursors = checkpoint.read_json(ckpt / "searchers.json")
         ray.get([s.load_state_dict.remote(c) for s, c in zip(self.searchers, cursors)])
         self.state = RunState(**driver)
-        self._publish(step)
-        ray.get(self.buffer.sync.remote(max(0, step - self.cadence.sync_period)))
+        self._publish(step, reset=True)
+        ray.get(self.buffer.sync.remote(max(0, step - self._sync_window())))
         return self.state
 
     def start_searchers(self) -> None:
@@ -229,7 +229,7 @@ class RayRuntime:
             if self.cadence.publish_due(st.step + 1):
                 self.on_phase("publish", st.step + 1)
                 self._publish(st.step + 1)
-                ray.get(self.buffer.sync.remote(st.step + 1 - self.cadence.sync_period))
+                ray.get(self.buffer.sync.remote(st.step + 1 - self._sync_window()))
             self._record(metrics, progress, time.monotonic() - t_iter)
             self._after_step(metrics)
 
@@ -245,9 +245,14 @@ class RayRuntime:
         else:
             self.state.searcher_restarts += self.searchers.restart_dead()
 
-    def _publish(self, version: int) -> None:
+    def _publish(self, version: int, reset: bool = False) -> None:
         refs = ray.get(self.trainer.publish.remote())
-        ray.get(self.buffer.publish.remote(version, refs))
+        ray.get(self.buffer.publish.remote(version, refs, reset))
+
+    def _sync_window(self) -> int:
+        """Steps back from a publication whose samples join the recent set: the sync period k, plus the L x k
+        steps by which ``trainer.generation_lag`` holds the searchers' weights back."""
+        return self.cadence.sync_period * (1 + self.cfg.trainer.generation_lag)
 
     def _record(self, metrics: dict, progress, loop_s: float) -> None:
         """Count and log one trainer step; ``loop_s``: wall seconds of its loop iteration (generation in sync

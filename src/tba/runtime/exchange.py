@@ -6,23 +6,39 @@ round trip of a searcher both delivers its samples and fetches newer weights.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 
 class WeightBoard:
-    """The newest published policy version and its handle (an object-store reference, opaque here)."""
+    """The policy version searchers are served and its handle (an object-store reference, opaque here).
 
-    def __init__(self) -> None:
-        self.version = 0
-        self.handle: Any = None
+    Args:
+        lag: serve the weights published ``lag`` publications before the newest (``trainer.generation_lag``:
+            staleness without extra reuse, for off-policy studies); 0 serves the newest. Until that many
+            publications exist, searchers keep the initial weights (version 0); after a resume
+            (``publish(..., reset=True)``) the window refills from the resumed version.
+    """
 
-    def publish(self, version: int, handle: Any) -> None:
-        """Make ``handle`` the weights of policy ``version`` (trainer steps taken when they were published)."""
-        self.version, self.handle = version, handle
+    def __init__(self, lag: int = 0) -> None:
+        # (version, handle), oldest first; version 0 is the initial policy every searcher starts with
+        self._kept: collections.deque = collections.deque([(0, None)], maxlen=lag + 1)
+
+    @property
+    def version(self) -> int:
+        """The version searchers are served (trainer steps taken when it was published)."""
+        return self._kept[0][0]
+
+    def publish(self, version: int, handle: Any, reset: bool = False) -> None:
+        """Add ``handle`` as the weights of policy ``version``; ``reset`` forgets the older ones (a resume)."""
+        if reset:
+            self._kept.clear()
+        self._kept.append((version, handle))
 
     def newer_than(self, version: int) -> Any:
-        """The handle if a version newer than ``version`` is published, else None."""
-        return self.handle if self.version > version else None
+        """The served handle if it is newer than ``version``, else None."""
+        served, handle = self._kept[0]
+        return handle if served > version and handle is not None else None
 
 
 class SearcherMetrics:
