@@ -118,9 +118,7 @@ class ReplayBuffer:
     def _insert(self, s: Sample) -> int:
         """Insert one sample (dedup, then evict to capacity); returns its seq."""
         pid = s.prompt_id
-        group = self._groups.get(pid)
-        if group is None:
-            group = self._groups[pid] = _Group()
+        group = self._groups.setdefault(pid, _Group())
         key = tuple(s.response_ids)
         old = group.by_response.get(key)
         if old is not None:
