@@ -664,7 +664,10 @@ def _spec_lines(t: dict, sh: dict) -> list[str]:
     if not spec:
         return []
     mfu = sh["flops_per_step"] / sh["step_s"] / spec["flops_per_s"]
-    return [f"| trainer MFU against the CPU's spec bf16 peak ({spec['assumption']}) | {mfu:.1%} | |"]
+    doubt = ("; BELOW the measured matmul peak, so the assumption does not hold for this CPU (a VM may hide the "
+             "model and the boost clock)" if spec["flops_per_s"] < sh["peak_flops_per_s"] else "")
+    return [f"| trainer MFU against the CPU's spec bf16 peak ({spec['assumption']}: "
+            f"{_si(spec['flops_per_s'], 'FLOP/s')}{doubt}) | {mfu:.1%} | |"]
 
 
 def _publish_lines(p: dict) -> list[str]:
