@@ -435,3 +435,22 @@ def test_searcher_checkpoint_hands_back_an_undelivered_batch(tokenizer):
     resumed = searcher()
     resumed.load_state_dict(s.state_dict())
     assert set(second).isdisjoint(first) and set(resumed.next_prompts()).isdisjoint(first + second)
+
+
+def test_builders_put_the_reference_where_the_config_says(model_path):
+    """model.reference_on: the searcher holds pi_ref and fills Sample.ref_logprobs (default), or the trainer
+    holds it and the searcher's samples carry None for the trainer to fill."""
+    from tba.runtime.build import build_searcher, build_trainer
+
+    base = {"model": {"num_hidden_layers": 2}, "task": {"train_size": 8, "eval_size": 2},
+            "searcher": {"prompts_per_batch": 1, "samples_per_prompt": 2, "max_new_tokens": 4},
+            "trainer": {"group_size": 2}}
+    for where in ("searcher", "trainer"):
+        cfg = Config.model_validate({**base, "model": {**base["model"], "reference_on": where}})
+        searcher = build_searcher(cfg, model_path, model_path, 0)
+        trainer, _ = build_trainer(cfg, model_path, model_path)
+        samples, _ = searcher.step()
+        assert (searcher.ref_model is None, trainer.ref_model is None) == (where == "trainer", where == "searcher")
+        assert all((s.ref_logprobs is None) == (where == "trainer") for s in samples)
+        trainer.step(Batch(samples, 2))
+        assert all(len(s.ref_logprobs) == len(s.response_ids) for s in samples)
