@@ -34,11 +34,12 @@ def shard(n_problems: int, num_searchers: int, searcher_id: int) -> list[int]:
     return list(range(searcher_id, n_problems, num_searchers))
 
 
-def build_engine(cfg: Config, policy_path: str, tokenizer, seed: int, max_model_len: int) -> Engine:
+def build_engine(cfg: Config, policy_path: str, tokenizer, seed: int, task, problem_ids: list[int]) -> Engine:
     """The searcher's generation engine (``searcher.engine``) on ``model.device``, in the generation dtype.
 
     Args:
-        max_model_len: longest prompt + response in tokens (vLLM sizes its KV blocks by it).
+        task, problem_ids: the searcher's task and prompt shard; vLLM sizes its sequences by the longest
+            prompt (encoded here only for vLLM; the searcher encodes its own copy).
     """
     dtype, device = pick_dtype(cfg.model.dtype), _device(cfg)
     if cfg.searcher.engine == "vllm":
@@ -46,6 +47,8 @@ def build_engine(cfg: Config, policy_path: str, tokenizer, seed: int, max_model_
 
         n = cfg.model.num_hidden_layers
         folder = truncated_copy(policy_path, n, cfg.model.cache_dir) if n else policy_path
+        longest = max(len(task.encode(tokenizer, task.train[i])) for i in problem_ids)
+        max_model_len = longest + cfg.searcher.max_new_tokens
         return VLLMEngine(folder, dtype=dtype, device=device, max_num_seqs=cfg.searcher.max_num_seqs,
                           max_model_len=max_model_len, gpu_memory_utilization=vllm_memory_share(cfg),
                           kv_cache_gib=cfg.searcher.kv_cache_gib, threads=cfg.searcher.threads, seed=seed)
@@ -62,8 +65,7 @@ def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: in
     tok = load_tokenizer(policy_path)
     task = build_task(cfg)
     problem_ids = shard(len(task.train), cfg.searcher.num_searchers, searcher_id)
-    longest = max(len(task.encode(tok, task.train[i])) for i in problem_ids)
-    engine = build_engine(cfg, policy_path, tok, seed, longest + cfg.searcher.max_new_tokens)
+    engine = build_engine(cfg, policy_path, tok, seed, task, problem_ids)
     ref = None
     if cfg.model.reference_on == "searcher":
         ref = load_causal_lm(ref_path, pick_dtype(cfg.model.dtype), cfg.model.num_hidden_layers).to(_device(cfg))
