@@ -120,6 +120,10 @@ class VLLMEngine:
             torch._C.set_num_threads(threads)  # torch.set_num_threads may already be vLLM's no-op
         else:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        # OpenMP's thread count is per calling thread: a Ray actor with max_concurrency > 1 may build the
+        # engine on one thread and generate on another, where vLLM's CPU attention then found 2 threads in its
+        # metadata and 1 in its kernel and aborted (seen in tests/test_e2e_vllm.py); calls set it again
+        self._threads = threads if device == "cpu" else None
         global _live_engines
         with _scoped_env(env):
             self._llm: LLM | None = LLM(**{k: v for k, v in kwargs.items() if v is not None})
@@ -164,6 +168,7 @@ class VLLMEngine:
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
         llm = self._engine()  # bound only now: a kept traceback of the errors above must not hold the LLM
+        self._pin_threads()
         rng = random.Random(seed)
         n = 1 if greedy else num_samples  # vLLM rejects n > 1 with greedy decoding; the copies are identical
         params = [SamplingParams(n=n, temperature=0.0 if greedy else float(temperature), top_p=1.0, top_k=0,
@@ -220,6 +225,7 @@ class VLLMEngine:
         # bound only now: a caller keeping the traceback of a ValueError above (pytest.raises does) would
         # otherwise keep the LLM, and with it vLLM's process group and its /tmp/vllm_dist_* file, after close
         llm = self._engine()
+        self._pin_threads()
         start = time.perf_counter()
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
         if not llm.reset_prefix_cache():
@@ -272,6 +278,11 @@ class VLLMEngine:
                 vllm_core.cleanup_dist_env_and_memory = cleanup
         del llm
         gc.collect()
+
+    def _pin_threads(self) -> None:
+        """This thread's OpenMP threads = the engine's (CPU; see ``__init__``)."""
+        if self._threads is not None and torch.get_num_threads() != self._threads:
+            torch._C.set_num_threads(self._threads)
 
     def _engine(self) -> LLM:
         """The live ``LLM``; RuntimeError once :meth:`close` was called."""
