@@ -80,3 +80,27 @@ def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path
+
+
+def read_results(path: Path) -> list[dict]:
+    """Records of ``results.jsonl`` (a torn last line, from a killed run, is skipped)."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def append_result(path: Path, rec: dict) -> None:
+    """Append ``rec`` as one JSON line to ``path`` and fsync it, so a finished cell survives a crash."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when this file is loaded by path
-from _common import error_line, parse_sets, pyplot, save_figure, warnings_only_logging
+from _common import append_result, error_line, parse_sets, pyplot, read_results, save_figure, warnings_only_logging
 
 ALL_OBJECTIVES = ("tb", "rloo", "grpo", "online_dpo")
 DEFAULT_SYNC_PERIODS = (1, 4, 16)
@@ -119,31 +119,6 @@ def setup_id(config: str, steps: int, eval_size: int, extra: dict) -> str:
 
 def cell_key(rec: dict) -> tuple:
     return (rec["objective"], int(rec["k"]), float(rec["m"]), int(rec["seed"]), int(rec["steps"]), rec.get("setup"))
-
-
-# -- results file ------------------------------------------------------------------------------------
-
-def read_results(path: Path) -> list[dict]:
-    """Records of ``results.jsonl`` (a torn last line, from a killed run, is skipped)."""
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
-
-
-def append_result(path: Path, rec: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(rec) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # -- aggregation and report --------------------------------------------------------------------------

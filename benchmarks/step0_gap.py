@@ -5,7 +5,10 @@ should be 0, and on a group of equal rewards that residual is all the gradient t
 The trainer scores with float32 master weights under bf16 autocast; the searcher's reference is a bf16 copy.
 This script builds both exactly as a run does (``tba.runtime.build``), generates one searcher batch, takes one
 trainer step on it and reports ``train/abs_logratio_token_mean`` / ``_seq_mean`` (nats) and the TB loss, for
-each ``model.dtype`` asked for (float32 makes both sides float32: the control).
+each ``model.dtype`` asked for (float32 makes both sides float32: the control). It then takes the same step from
+a fresh trainer on the same responses with every reward set to 0 (``tied``): every group is tied, so the TB
+gradient is the precision gap's alone, and ``tied/grad_norm`` over ``train/grad_norm`` is the share of a real
+step's gradient that the gap can make.
 
     python benchmarks/step0_gap.py --dtypes bfloat16 float32 --out benchmarks/results/step0-gap.json
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,10 +37,14 @@ def measure(config: str, dtype: str, seed: int) -> dict:
     trainer, _ = build_trainer(cfg, path, path)
     samples, _ = searcher.step()
     k = cfg.trainer.group_size
-    m = trainer.step(Batch(samples[: len(samples) // k * k], k))
+    samples = samples[: len(samples) // k * k]
+    m = trainer.step(Batch(samples, k))
+    tied_trainer, _ = build_trainer(cfg, path, path)  # the same step-0 weights
+    tied = tied_trainer.step(Batch([replace(s, reward=0.0) for s in samples], k))
     return {"dtype": dtype, "seed": seed, "samples": len(samples),
             **{key: m[key] for key in ("train/abs_logratio_token_mean", "train/abs_logratio_seq_mean", "loss/tb",
-                                       "train/grad_norm", "train/reward_mean")}}
+                                       "train/grad_norm", "train/reward_mean")},
+            "tied/loss_tb": tied["loss/tb"], "tied/grad_norm": tied["train/grad_norm"]}
 
 
 def main(argv: list[str] | None = None) -> int:
