@@ -10,7 +10,8 @@ steps, and differs only in its *arm* (objective plus its settings) and its *stal
 
 - **lag L** (``trainer.generation_lag``) with sync period k = 1: the searchers generate with the weights of L
   publications ago and the recent set is refreshed every step, so staleness grows by about L steps while
-  each sample is drawn about as often as at L = 0 (``buffer/reuse_mean`` is recorded to show it);
+  no sample is drawn more often for it (measured: less often, as the on-policy window widens
+  with L; ``buffer/reuse_mean`` is recorded per cell);
 - **k = 16** (``trainer.sync_period``), lag 0: the paper's sync period with the config's fill, where staleness
   comes with reuse (the recent set is fixed for 16 steps).
 
