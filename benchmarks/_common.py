@@ -7,11 +7,14 @@ test loads a script by its path). Only the standard library is imported at modul
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import resource
+import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +107,42 @@ def append_result(path: Path, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
         f.flush()
         os.fsync(f.fileno())
+
+
+def setup_id(config: str, steps: int, eval_size: int, extra: dict) -> str:
+    """Short fingerprint of what a study's cells share (config file contents, steps, eval size, --set), so a
+    resumed study skips only cells of the same setup."""
+    text = Path(config).read_text() if Path(config).is_file() else config
+    blob = json.dumps({"config": text, "steps": steps, "eval_size": eval_size, "extra": extra}, sort_keys=True,
+                      default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def study_main(args, run_study: Callable[[Any], int], report: Callable[[Path], str]) -> int:
+    """Entry point of the resumable studies (``staleness.py``, ``offpolicy.py``).
+
+    ``--report-only``: print ``report(out)`` from ``<out>/results.jsonl`` (exit 1 if there is none). Otherwise
+    run ``run_study(args)`` with SIGTERM raising KeyboardInterrupt (the study then keeps its finished cells and
+    exits 130); a bad config or a missing file is one ``error:`` line and exit 2.
+    """
+    out = Path(args.out)
+    if args.report_only:
+        if not (out / "results.jsonl").is_file():
+            print(f"error: no {out / 'results.jsonl'}", file=sys.stderr)
+            return 1
+        print(report(out))
+        return 0
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings_only_logging()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    from tba.config import ConfigError
+
+    try:
+        return run_study(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

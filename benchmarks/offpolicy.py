@@ -53,18 +53,15 @@ The study (2 CPU cores: about 6 minutes a cell, 22 cells a seed)::
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
 import os
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, also when loaded by path
-from _common import append_result, error_line, parse_sets, pyplot, read_results, save_figure, warnings_only_logging
+from _common import append_result, error_line, parse_sets, pyplot, read_results, save_figure, setup_id, study_main
 from _stats import mean_ci, paired_difference_ci
 
 #: arm name -> (loss.name, the arm's own config overrides)
@@ -117,13 +114,6 @@ def setting(c: dict) -> str:
 def cell_name(c: dict) -> str:
     return f"{c['arm']}-{setting(c)}-s{c['seed']}"
 
-
-def setup_id(config: str, steps: int, eval_size: int, extra: dict) -> str:
-    """Fingerprint of what all cells share (config file contents, steps, eval size, --set)."""
-    text = Path(config).read_text() if Path(config).is_file() else config
-    blob = json.dumps({"config": text, "steps": steps, "eval_size": eval_size, "extra": extra}, sort_keys=True,
-                      default=str)
-    return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
 def cell_key(rec: dict) -> tuple:
@@ -383,9 +373,6 @@ def run_study(args) -> int:
     return 0
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -410,23 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.report_only:
-        out = Path(args.out)
-        if not (out / "results.jsonl").is_file():
-            print(f"error: no {out / 'results.jsonl'}", file=sys.stderr)
-            return 1
-        print(report(out, min(args.lags), max(args.lags)))
-        return 0
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings_only_logging()
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    from tba.config import ConfigError
-
-    try:
-        return run_study(args)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return study_main(args, run_study, lambda out: report(out, min(args.lags), max(args.lags)))
 
 
 if __name__ == "__main__":

@@ -67,11 +67,7 @@ Per-cell runs go to ``<out>/runs/<cell>`` with ``trainer.save_final=false`` and 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 import shutil
-import signal
 import statistics
 import sys
 import time
@@ -80,7 +76,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when this file is loaded by path
-from _common import append_result, error_line, parse_sets, pyplot, read_results, save_figure, warnings_only_logging
+from _common import append_result, error_line, parse_sets, pyplot, read_results, save_figure, setup_id, study_main
 
 ALL_OBJECTIVES = ("tb", "rloo", "grpo", "online_dpo")
 DEFAULT_SYNC_PERIODS = (1, 4, 16)
@@ -109,12 +105,6 @@ def plan_cells(objectives: Iterable[str], sync_periods: Iterable[int], m_values:
 def cell_name(c: dict) -> str:
     return f"{c['objective']}-k{c['k']}-m{c['m']:g}-s{c['seed']}"
 
-
-def setup_id(config: str, steps: int, eval_size: int, extra: dict) -> str:
-    """Short fingerprint of everything shared by the cells (config file contents, steps, eval size, --set)."""
-    text = Path(config).read_text() if Path(config).is_file() else config
-    blob = json.dumps({"config": text, "steps": steps, "eval_size": eval_size, "extra": extra}, sort_keys=True)
-    return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
 def cell_key(rec: dict) -> tuple:
@@ -356,9 +346,6 @@ def run_study(args) -> int:
     return 0
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -386,23 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.report_only:
-        out = Path(args.out)
-        if not (out / "results.jsonl").is_file():
-            print(f"error: no {out / 'results.jsonl'}", file=sys.stderr)
-            return 1
-        print(report(out))
-        return 0
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    warnings_only_logging()
-    signal.signal(signal.SIGTERM, _raise_interrupt)
-    from tba.config import ConfigError
-
-    try:
-        return run_study(args)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return study_main(args, run_study, report)
 
 
 if __name__ == "__main__":
