@@ -219,10 +219,15 @@ def _num(x, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
-def format_report(records: list[dict], low: int, high: int) -> str:
-    """Markdown: the cell table, then the drops and paired effects between lags ``low`` and ``high``."""
-    rows = aggregate(records)
-    base = next((r["base_accuracy"] for r in records if r.get("base_measured") and r.get("base_accuracy")), None)
+def base_accuracy(records: list[dict]) -> float | None:
+    """The base model's accuracy, from the cell that measured it (None before one has)."""
+    return next((r["base_accuracy"] for r in records if r.get("base_measured") and r.get("base_accuracy")), None)
+
+
+def format_report(records: list[dict], rows: list[dict], low: int, high: int) -> str:
+    """Markdown: the cell table (``rows`` = :func:`aggregate` of ``records``), then the drops and paired effects
+    between lags ``low`` and ``high``."""
+    base = base_accuracy(records)
     head = ["arm", "setting", "accuracy mean [95% CI]", "staleness mean", "staleness max", "reuse mean",
             "reuse max", "steps clipped", "train s / cell"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -244,19 +249,19 @@ def format_report(records: list[dict], low: int, high: int) -> str:
         for e in eff:
             lines.append(f"| {e['arm']} | {_ci(e['drop'])} | "
                          f"{_ci(e['ref_minus_arm']) if 'ref_minus_arm' in e else '-'} |")
-    failed = [r for r in records if r.get("error") and cell_key(r) not in latest_by_cell(records)]
+    finished = latest_by_cell(records)
+    failed = [r for r in records if r.get("error") and cell_key(r) not in finished]
     if failed:
         notes.append("Failed cells (not in the tables): " + ", ".join(
             f"{cell_name(r)} ({r['error'][:80]})" for r in failed))
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
-def plot(records: list[dict], path: Path) -> Path:
+def plot(rows: list[dict], base: float | None, path: Path) -> Path:
     """Accuracy (mean, 95% CI bars) vs mean staleness, one line per arm over its lag cells; k = 16 cells as
     open markers; the base accuracy dashed."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    rows = aggregate(records)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, arm in enumerate([a for a in ARMS if any(r["arm"] == a for r in rows)]):
         color = colors[i % len(colors)]
@@ -271,7 +276,6 @@ def plot(records: list[dict], path: Path) -> Path:
             ax.errorbar([r["staleness_mean"] for r in rs], y, yerr=err, color=color, linestyle=style, marker="o",
                         mfc=color if lagged else "white", capsize=3, label=arm if lagged else f"{arm} (k={rs[0]['k']})",
                         linewidth=1.5 if arm in MAIN_ARMS else 1.0, alpha=1.0 if arm in MAIN_ARMS else 0.7)
-    base = next((r["base_accuracy"] for r in records if r.get("base_measured") and r.get("base_accuracy")), None)
     if base is not None:
         ax.axhline(base, color="gray", linestyle="--", linewidth=1, label=f"base model ({base:.3f})")
     ax.set_xlabel("mean staleness of trained samples (trainer steps)")
@@ -285,10 +289,11 @@ def plot(records: list[dict], path: Path) -> Path:
 def report(out: Path, low: int, high: int) -> str:
     """Write ``table.md`` and ``accuracy_vs_staleness.png`` from ``<out>/results.jsonl``; return the table."""
     records = read_results(out / "results.jsonl")
-    table = format_report(records, low, high)
+    rows = aggregate(records)
+    table = format_report(records, rows, low, high)
     (out / "table.md").write_text(table)
-    if latest_by_cell(records):
-        plot(records, out / "accuracy_vs_staleness.png")
+    if rows:
+        plot(rows, base_accuracy(records), out / "accuracy_vs_staleness.png")
     return table
 
 
