@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import os
 import random
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 import vllm.v1.engine.core as vllm_core
 from safetensors import safe_open
-from transformers import AutoConfig
+from transformers import AutoConfig, GenerationConfig
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
@@ -290,6 +289,12 @@ class VLLMEngine:
             raise RuntimeError("the vLLM engine is closed")
         return self._llm
 
+    @property
+    def llm(self) -> LLM:
+        """The live vLLM ``LLM``, for sampling options the Engine protocol does not carry (the throughput
+        benchmark's ``min_tokens``). Raises RuntimeError once :meth:`close` was called."""
+        return self._engine()
+
     def __enter__(self) -> VLLMEngine:
         return self
 
@@ -298,17 +303,22 @@ class VLLMEngine:
 
 
 def _eos_ids(model_path: str) -> set[int]:
-    """The model's EOS ids: generation_config.json's ``eos_token_id`` (int or list), else config.json's.
+    """The model's EOS ids as transformers reads them (the generation config's ``eos_token_id``, int or
+    list; built from config.json when the folder has no generation_config.json), the ids HFEngine stops on.
 
     vLLM stops on the same ids: the tokenizer's EOS and generation_config's ids (``SamplingParams.
     update_from_generation_config``).
+
+    Raises:
+        ValueError: neither file names an EOS id.
     """
-    for name in ("generation_config.json", "config.json"):
-        path = Path(model_path) / name
-        eos = json.loads(path.read_text()).get("eos_token_id") if path.exists() else None
-        if eos is not None:
-            return set(eos) if isinstance(eos, list) else {int(eos)}
-    raise ValueError(f"{model_path}: no eos_token_id in generation_config.json or config.json")
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = GenerationConfig.from_model_config(AutoConfig.from_pretrained(model_path)).eos_token_id
+    if eos is None:
+        raise ValueError(f"{model_path}: no eos_token_id in generation_config.json or config.json")
+    return set(eos) if isinstance(eos, list) else {int(eos)}
 
 
 def _checkpoint_tensors(model_path: str) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
