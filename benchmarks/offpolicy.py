@@ -115,7 +115,6 @@ def cell_name(c: dict) -> str:
     return f"{c['arm']}-{setting(c)}-s{c['seed']}"
 
 
-
 def cell_key(rec: dict) -> tuple:
     return rec["arm"], int(rec["lag"]), int(rec["k"]), int(rec["seed"]), rec.get("setup")
 
@@ -376,7 +375,6 @@ def run_study(args) -> int:
     print(f"study finished in {time.monotonic() - t0:.0f} s\n", flush=True)
     print(report(out, min(args.lags), max(args.lags)), flush=True)
     return 0
-
 
 
 def build_parser() -> argparse.ArgumentParser:

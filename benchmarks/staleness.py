@@ -106,7 +106,6 @@ def cell_name(c: dict) -> str:
     return f"{c['objective']}-k{c['k']}-m{c['m']:g}-s{c['seed']}"
 
 
-
 def cell_key(rec: dict) -> tuple:
     return (rec["objective"], int(rec["k"]), float(rec["m"]), int(rec["seed"]), int(rec["steps"]), rec.get("setup"))
 
@@ -344,7 +343,6 @@ def run_study(args) -> int:
     print(f"study finished in {time.monotonic() - t0:.0f} s\n", flush=True)
     print(report(out), flush=True)
     return 0
-
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -331,8 +331,8 @@ def _vllm_lengths(engine, prompts: list[list[int]], n: int, max_new: int, temper
 
     params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_new,
                             min_tokens=min_new, logprobs=0, detokenize=False)
-    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                     use_tqdm=False)
+    outs = engine.llm().generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                 use_tqdm=False)
     return [len(c.token_ids) for o in outs for c in o.outputs]
 
 

@@ -161,12 +161,12 @@ class VLLMEngine:
             RuntimeError: the engine is closed.
             ValueError: bad arguments (vLLM's message), e.g. a prompt longer than ``max_model_len``.
         """
-        self._engine()
+        self.llm()
         if not prompts or num_samples <= 0:
             return [[] for _ in prompts]
         if not greedy and not temperature > 0:
             raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-        llm = self._engine()  # bound only now: a kept traceback of the errors above must not hold the LLM
+        llm = self.llm()  # bound only now: a kept traceback of the errors above must not hold the LLM
         self._pin_threads()
         rng = random.Random(seed)
         n = 1 if greedy else num_samples  # vLLM rejects n > 1 with greedy decoding; the copies are identical
@@ -219,11 +219,11 @@ class VLLMEngine:
                 nothing is loaded then, and the engine keeps its weights.
             RuntimeError: the engine is closed, or vLLM could not reset its prefix cache.
         """
-        self._engine()
+        self.llm()
         named = self._named_tensors(packed)
         # bound only now: a caller keeping the traceback of a ValueError above (pytest.raises does) would
         # otherwise keep the LLM, and with it vLLM's process group and its /tmp/vllm_dist_* file, after close
-        llm = self._engine()
+        llm = self.llm()
         self._pin_threads()
         start = time.perf_counter()
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named)})
@@ -283,17 +283,12 @@ class VLLMEngine:
         if self._threads is not None and torch.get_num_threads() != self._threads:
             torch._C.set_num_threads(self._threads)
 
-    def _engine(self) -> LLM:
-        """The live ``LLM``; RuntimeError once :meth:`close` was called."""
+    def llm(self) -> LLM:
+        """The live vLLM ``LLM`` (also for sampling options the Engine protocol does not carry, such as the
+        throughput benchmark's ``min_tokens``). Raises RuntimeError once :meth:`close` was called."""
         if self._llm is None:
             raise RuntimeError("the vLLM engine is closed")
         return self._llm
-
-    @property
-    def llm(self) -> LLM:
-        """The live vLLM ``LLM``, for sampling options the Engine protocol does not carry (the throughput
-        benchmark's ``min_tokens``). Raises RuntimeError once :meth:`close` was called."""
-        return self._engine()
 
     def __enter__(self) -> VLLMEngine:
         return self
