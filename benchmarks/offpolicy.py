@@ -179,22 +179,22 @@ def aggregate(records: list[dict]) -> list[dict]:
     return rows
 
 
-def drops(records: list[dict], low: int, high: int) -> dict[str, dict[int, float]]:
-    """Per arm and seed, accuracy at lag ``low`` minus accuracy at lag ``high`` (k = 1 cells; seeds with
-    both only)."""
-    acc: dict[tuple, float] = {(a, lag, s): r["accuracy"] for (a, lag, k, s, _), r in latest_by_cell(records).items()
-                               if k == 1}
+def drops(records: list[dict], low: tuple[int, int], high: tuple[int, int]) -> dict[str, dict[int, float]]:
+    """Per arm and seed, accuracy at setting ``low`` minus accuracy at setting ``high`` (settings are
+    ``(lag, k)``; seeds with both only)."""
+    acc: dict[tuple, float] = {(a, (lag, k), s): r["accuracy"]
+                               for (a, lag, k, s, _), r in latest_by_cell(records).items()}
     out: dict[str, dict[int, float]] = {}
-    for (arm, lag, seed), a in acc.items():
-        if lag == low and (arm, high, seed) in acc:
+    for (arm, where, seed), a in acc.items():
+        if where == low and (arm, high, seed) in acc:
             out.setdefault(arm, {})[seed] = a - acc[(arm, high, seed)]
     return out
 
 
-def effects(records: list[dict], low: int, high: int, reference: str = "tb") -> list[dict]:
-    """Each arm's drop (lag ``low`` -> ``high``) with its 95% t interval over seeds, and the paired
-    difference ``reference``'s drop minus the arm's drop over the seeds both have (the study's answer:
-    positive = the reference lost more accuracy to staleness)."""
+def effects(records: list[dict], low: tuple[int, int], high: tuple[int, int], reference: str = "tb") -> list[dict]:
+    """Each arm's drop (setting ``low`` -> ``high``, each ``(lag, k)``) with its 95% t interval over seeds, and
+    the paired difference ``reference``'s drop minus the arm's drop over the seeds both have (the study's
+    answer for L = 0 -> 16 at k = 1: positive = the reference lost more accuracy to staleness)."""
     d = drops(records, low, high)
     ref = d.get(reference, {})
     out = []
@@ -225,7 +225,8 @@ def base_accuracy(records: list[dict]) -> float | None:
 
 def format_report(records: list[dict], rows: list[dict], low: int, high: int) -> str:
     """Markdown: the cell table (``rows`` = :func:`aggregate` of ``records``), then the drops and paired effects
-    between lags ``low`` and ``high``."""
+    between lags ``low`` and ``high`` (k = 1), and between k = 1 and each sync period k > 1 run (both at lag
+    ``low``)."""
     base = base_accuracy(records)
     head = ["arm", "setting", "accuracy mean [95% CI]", "staleness mean", "staleness max", "reuse mean",
             "reuse max", "steps clipped", "train s / cell"]
@@ -240,10 +241,15 @@ def format_report(records: list[dict], rows: list[dict], low: int, high: int) ->
              "held-out problems, mean over paired seeds with a 95% Student-t interval over seeds."]
     if base is not None:
         notes.append(f"Base model (before training): {base:.3f}.")
-    eff = effects(records, low, high)
-    if eff:
-        lines += ["", f"Drop from lag {low} to lag {high} (k = 1), paired by seed; last column: TB's drop minus "
-                  "the arm's (positive: TB lost more to staleness).", "",
+    comparisons = [((low, 1), (high, 1), f"lag {low} to lag {high} (k = 1)", "staleness")]
+    comparisons += [((low, 1), (low, k), f"lag {low}, k = 1 to k = {k}", f"sync period {k}")
+                    for k in sorted({r["k"] for r in rows if r["k"] > 1})]
+    for a, b, what, cause in comparisons:
+        eff = effects(records, a, b)
+        if not eff:
+            continue
+        lines += ["", f"Drop from {what}, paired by seed; last column: TB's drop minus the arm's (positive: TB "
+                  f"lost more to {cause}).", "",
                   "| arm | drop [95% CI] | TB's drop minus this arm's [95% CI] |", "|---|---|---|"]
         for e in eff:
             lines.append(f"| {e['arm']} | {_ci(e['drop'])} | "

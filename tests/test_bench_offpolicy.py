@@ -65,7 +65,7 @@ def test_every_arm_is_a_valid_config_with_its_settings(bench, arm, tmp_path):
 
 
 def test_effects_hand_computed(bench):
-    eff = {e["arm"]: e for e in bench.effects(RECORDS, 0, 16)}
+    eff = {e["arm"]: e for e in bench.effects(RECORDS, (0, 1), (16, 1))}
     assert set(eff) == {"tb", "grpo"}  # rloo has no L16 partner
     assert eff["tb"]["drop"]["mean"] == pytest.approx(0.08)
     assert eff["grpo"]["drop"]["mean"] == pytest.approx(0.043333, abs=1e-6)
@@ -103,6 +103,23 @@ def test_report_table_effects_and_png(bench, tmp_path):
     assert "| grpo | 0.043 [-0.079, 0.166] (n=3) | 0.037 [-0.172, 0.245] (n=3) |" in table
     assert "Base model (before training): 0.300." in table
     assert "rloo-L16-s0 (RuntimeError: x)" in table
+    assert "k = 16" not in table  # no sync-period cells, no such comparison
+
+
+def test_sync_period_comparison(bench, tmp_path):
+    # drops L0 (k = 1) -> k = 16: tb 0.50-0.30, 0.46-0.40 = 0.20, 0.06; grpo 0.52-0.50, 0.50-0.30 = 0.02, 0.20
+    sync = [_rec("tb", 0, 0, 0.30, k=16), _rec("tb", 0, 1, 0.40, k=16),
+            _rec("grpo", 0, 0, 0.50, k=16), _rec("grpo", 0, 1, 0.30, k=16)]
+    eff = {e["arm"]: e for e in bench.effects(RECORDS + sync, (0, 1), (0, 16))}
+    assert eff["tb"]["drop"]["mean"] == pytest.approx(0.13) and eff["tb"]["seeds"] == [0, 1]
+    d = eff["grpo"]["ref_minus_arm"]  # per seed 0.18, -0.14: mean 0.02, sd 0.226274, t(0.975, 1) = 12.706205
+    assert d["mean"] == pytest.approx(0.02) and d["n"] == 2
+    assert (d["low"], d["high"]) == (pytest.approx(-2.01299, abs=1e-4), pytest.approx(2.05299, abs=1e-4))
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS + sync))
+    table = bench.report(tmp_path, 0, 16)
+    assert "Drop from lag 0, k = 1 to k = 16" in table
+    assert "| grpo | 0.110 [-1.034, 1.254] (n=2) | 0.020 [-2.013, 2.053] (n=2) |" in table
+    assert "| tb | k16 | 0.350 [-0.285, 0.985] (n=2) |" in table
     assert (tmp_path / "accuracy_vs_staleness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
