@@ -12,8 +12,8 @@ steps, and differs only in its *arm* (objective plus its settings) and its *stal
   publications ago and the recent set is refreshed every step, so staleness grows by about L steps while
   no sample is drawn more often for it (measured: less often, as the on-policy window widens
   with L; ``buffer/reuse_mean`` is recorded per cell);
-- **k = 16** (``trainer.sync_period``), lag 0: the paper's sync period with the config's fill, where staleness
-  comes with reuse (the recent set is fixed for 16 steps).
+- **k = 16** (``trainer.sync_period``), lag 0: the paper's sync period with the config's fill (the recent set
+  is fixed for 16 steps; measured with the quickstart's fill: fewer draws per sample than at k = 1, not more).
 
 Arms (:data:`ARMS`): the main four ``tb``, ``rloo``, ``grpo`` and ``ppo_clip-is2`` (importance-weighted
 REINFORCE with the importance weight truncated at 2, the usual correction of async RL systems), and three
@@ -32,7 +32,7 @@ record holds the compute the cell took (wall seconds, train seconds, CPU count, 
 Statistics (``_stats``): each cell's accuracy is the mean over seeds with a 95% Student-t interval over seeds;
 the effect that answers the question is, per seed, TB's drop from the smallest to the largest lag minus a
 baseline's drop, averaged over the paired seeds with its 95% t interval. A positive value means TB lost more.
-The same paired effect is reported from k = 1 to k = 16 (both at lag 0): staleness together with reuse.
+The same paired effect is reported from k = 1 to k = 16 (both at lag 0): the paper's sync period.
 
 Outputs: ``<out>/table.md`` (cells, drops, paired effects) and ``<out>/accuracy_vs_staleness.png``.
 
