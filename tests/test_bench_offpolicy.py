@@ -104,6 +104,7 @@ def test_report_table_effects_and_png(bench, tmp_path):
     assert "Base model (before training): 0.300." in table
     assert "rloo-L16-s0 (RuntimeError: x)" in table
     assert "k = 16" not in table  # no sync-period cells, no such comparison
+    assert (tmp_path / "accuracy_vs_staleness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_sync_period_comparison(bench, tmp_path):
