@@ -226,8 +226,8 @@ def base_accuracy(records: list[dict]) -> float | None:
 
 def format_report(records: list[dict], rows: list[dict], low: int, high: int) -> str:
     """Markdown: the cell table (``rows`` = :func:`aggregate` of ``records``), then the drops and paired effects
-    between lags ``low`` and ``high`` (k = 1), and between k = 1 and each sync period k > 1 run (both at lag
-    ``low``)."""
+    between lags ``low`` and ``high`` (k = 1), between ``low`` and each lag run in between (k = 1), and between
+    k = 1 and each sync period k > 1 run (both at lag ``low``)."""
     base = base_accuracy(records)
     head = ["arm", "setting", "accuracy mean [95% CI]", "staleness mean", "staleness max", "reuse mean",
             "reuse max", "steps clipped", "train s / cell"]
@@ -242,7 +242,9 @@ def format_report(records: list[dict], rows: list[dict], low: int, high: int) ->
              "held-out problems, mean over paired seeds with a 95% Student-t interval over seeds."]
     if base is not None:
         notes.append(f"Base model (before training): {base:.3f}.")
-    comparisons = [((low, 1), (high, 1), f"lag {low} to lag {high} (k = 1)", "staleness")]
+    # the question (low -> high) first, then each lag in between, then each sync period
+    comparisons = [((low, 1), (lag, 1), f"lag {low} to lag {lag} (k = 1)", "staleness")
+                   for lag in [high] + sorted({r["lag"] for r in rows if r["k"] == 1 and low < r["lag"] < high})]
     comparisons += [((low, 1), (low, k), f"lag {low}, k = 1 to k = {k}", f"sync period {k}")
                     for k in sorted({r["k"] for r in rows if r["k"] > 1})]
     for a, b, what, cause in comparisons:

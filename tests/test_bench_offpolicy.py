@@ -124,6 +124,16 @@ def test_sync_period_comparison(bench, tmp_path):
     assert (tmp_path / "accuracy_vs_staleness.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_middle_lag_comparison(bench, tmp_path):
+    # drops L0 -> L4: tb 0.50-0.44, 0.46-0.46 = 0.06, 0.00; grpo 0.52-0.42, 0.50-0.48 = 0.10, 0.02
+    # tb minus grpo per seed -0.04, -0.02: mean -0.03, sd 0.0141421, half-width 12.706205 * 0.01 = 0.12706
+    lag4 = [_rec("tb", 4, 0, 0.44), _rec("tb", 4, 1, 0.46), _rec("grpo", 4, 0, 0.42), _rec("grpo", 4, 1, 0.48)]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS + lag4))
+    table = bench.report(tmp_path, 0, 16)
+    assert table.index("Drop from lag 0 to lag 16 (k = 1)") < table.index("Drop from lag 0 to lag 4 (k = 1)")
+    assert "| grpo | 0.060 [-0.448, 0.568] (n=2) | -0.030 [-0.157, 0.097] (n=2) |" in table
+
+
 def test_existing_results_need_resume(bench, tmp_path, capsys):
     (tmp_path / "results.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")
     assert bench.main(["--out", str(tmp_path), "--seeds", "0"]) == 2
