@@ -32,7 +32,8 @@ record holds the compute the cell took (wall seconds, train seconds, CPU count, 
 Statistics (``_stats``): each cell's accuracy is the mean over seeds with a 95% Student-t interval over seeds;
 the effect that answers the question is, per seed, TB's drop from the smallest to the largest lag minus a
 baseline's drop, averaged over the paired seeds with its 95% t interval. A positive value means TB lost more.
-The same paired effect is reported from k = 1 to k = 16 (both at lag 0): the paper's sync period.
+The same paired effect is reported from the smallest lag to each lag in between (L = 4), and from k = 1 to
+k = 16 (both at lag 0): the paper's sync period.
 
 Outputs: ``<out>/table.md`` (cells, drops, paired effects) and ``<out>/accuracy_vs_staleness.png``.
 
