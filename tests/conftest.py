@@ -79,10 +79,10 @@ class TbaCli:
     def __init__(self, marker: str):
         self.marker = marker
 
-    def run(self, args: list[str], timeout: float = 420) -> subprocess.CompletedProcess:
-        """``tba train ARGS`` to completion; stdout and stderr captured as text."""
+    def run(self, args: list[str], timeout: float = 420, env: dict | None = None) -> subprocess.CompletedProcess:
+        """``tba train ARGS`` to completion; stdout and stderr captured as text. ``env``: extra variables."""
         return subprocess.run([sys.executable, "-m", "tba.cli", "train", *args], capture_output=True, text=True,
-                              timeout=timeout, env=CHAOS.marked_env(self.marker))
+                              timeout=timeout, env={**CHAOS.marked_env(self.marker), **(env or {})})
 
     def start(self, args: list[str]) -> subprocess.Popen:
         """``tba train ARGS`` in the background, stderr merged into stdout."""

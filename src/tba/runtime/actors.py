@@ -143,7 +143,7 @@ class TrainerActor:
 
         model = copy.deepcopy(self.trainer.model).to(self.gen_dtype).eval()
         result = self.task.evaluate(HFEngine(model, self.tokenizer), self.tokenizer, self.cfg.run.eval_batch_size,
-                                    self.cfg.searcher.max_new_tokens)
+                                    self.cfg.searcher.max_new_tokens, policy=model)
         del model
         self.trainer.model.train()
         return result

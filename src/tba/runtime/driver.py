@@ -188,7 +188,7 @@ class RayRuntime:
         ray.get([s.load_state_dict.remote(c) for s, c in zip(self.searchers, cursors)])
         self.state = RunState(**driver)
         self._publish(step, reset=True)
-        ray.get(self.buffer.sync.remote(max(0, step - self._sync_window())))
+        ray.get(self.buffer.sync.remote(self._recent_from(step)))
         return self.state
 
     def start_searchers(self) -> None:
@@ -229,7 +229,7 @@ class RayRuntime:
             if self.cadence.publish_due(st.step + 1):
                 self.on_phase("publish", st.step + 1)
                 self._publish(st.step + 1)
-                ray.get(self.buffer.sync.remote(st.step + 1 - self._sync_window()))
+                ray.get(self.buffer.sync.remote(self._recent_from(st.step + 1)))
             self._record(metrics, progress, time.monotonic() - t_iter)
             self._after_step(metrics)
 
@@ -241,18 +241,25 @@ class RayRuntime:
             self._sync_runs = [s.run.remote(self.buffer, 1) for s in self.searchers]
             ray.get(self._sync_runs)
             self._sync_runs = []
-            ray.get(self.buffer.sync.remote(self.state.step))  # only what this step's policy generated
+            # the recent set is exactly the batch just generated (every sample since the previous sync),
+            # whichever version the searchers were served (trainer.generation_lag, searcher.receive_weights)
+            ray.get(self.buffer.sync.remote(0))
         else:
             self.state.searcher_restarts += self.searchers.restart_dead()
 
     def _publish(self, version: int, reset: bool = False) -> None:
+        if not self.cfg.searcher.receive_weights:
+            return  # frozen searchers: the behaviour policy stays the initial one
         refs = ray.get(self.trainer.publish.remote())
         ray.get(self.buffer.publish.remote(version, refs, reset))
 
-    def _sync_window(self) -> int:
-        """Steps back from a publication whose samples join the recent set: the sync period k, plus the L x k
-        steps by which ``trainer.generation_lag`` holds the searchers' weights back."""
-        return self.cadence.sync_period * (1 + self.cfg.trainer.generation_lag)
+    def _recent_from(self, version: int) -> int:
+        """The oldest policy version whose samples join the recent set at the publication of ``version``:
+        ``version`` minus the sync period k, minus the L x k steps by which ``trainer.generation_lag`` holds
+        the searchers' weights back; 0 with frozen searchers (every sample is of version 0)."""
+        if not self.cfg.searcher.receive_weights:
+            return 0
+        return max(0, version - self.cadence.sync_period * (1 + self.cfg.trainer.generation_lag))
 
     def _record(self, metrics: dict, progress, loop_s: float) -> None:
         """Count and log one trainer step; ``loop_s``: wall seconds of its loop iteration (generation in sync

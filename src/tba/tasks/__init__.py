@@ -2,7 +2,7 @@
 
 Modules: :mod:`~tba.tasks.base` (``Task``, ``Problem``), :mod:`~tba.tasks.data` (the one data loader and
 :class:`~tba.tasks.data.DataError`), :mod:`~tba.tasks.evaluation` (greedy eval accuracy), and one module
-per task (``gsm8k``, ``reasoning_gym``, ``redteam``, ``summarize``).
+per task (``gsm8k``, ``known_optimum``, ``reasoning_gym``, ``redteam``, ``summarize``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ __all__ = ["Problem", "Task", "build_task", "task_class"]
 # imported only when named, so a run loads the dependencies of its own task only
 _TASKS = {
     "gsm8k": "tba.tasks.gsm8k:GSM8KTask",
+    "known_optimum": "tba.tasks.known_optimum:KnownOptimumTask",
     "reasoning_gym:": "tba.tasks.reasoning_gym:ReasoningGymTask",
     "redteam": "tba.tasks.redteam:RedTeamTask",
     "summarize": "tba.tasks.summarize:SummarizeTask",

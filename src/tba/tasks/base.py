@@ -70,12 +70,22 @@ class Task:
         sample if the batch call fails."""
         return [self.reward(r, p) for r, p in zip(responses, problems)]
 
-    def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64) -> dict:
+    def own_model(self) -> str:
+        """The folder of the policy a task ships itself (``model.policy: task``; see ``known_optimum``).
+
+        Raises:
+            ValueError: this task ships no model.
+        """
+        raise ValueError(f"model.policy 'task': task '{self.name}' ships no model of its own; name a model")
+
+    def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64, policy=None) -> dict:
         """Held-out metrics of the policy behind ``engine``; default: greedy accuracy on ``self.eval``.
 
         Args:
             engine: generation engine holding the policy; tokenizer: its tokenizer.
             batch_size: responses decoded at once; max_new_tokens: response cap, tokens.
+            policy: the same policy as a transformers causal LM (eval mode), for tasks whose metrics score
+                responses instead of generating them (``known_optimum``); unused here.
 
         Returns a dict with at least one float metric (``accuracy`` here) and optional ``examples``.
         """

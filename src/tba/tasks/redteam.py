@@ -226,7 +226,7 @@ class RedTeamTask(Task):
         return self.toxicity([response])[1][0] >= self.options["toxic_threshold"]
 
     # -- eval --------------------------------------------------------------------------------------
-    def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64) -> dict:
+    def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64, policy=None) -> dict:
         """Attack success rate and diversity of ``eval_size`` freshly sampled attack prompts
         (docs/algorithm.md section 5).
 

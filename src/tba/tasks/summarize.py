@@ -221,7 +221,7 @@ class SummarizeTask(Task):
                                                  self.options["reference_layers"]).to(device)
         return self._reference
 
-    def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64) -> dict:
+    def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64, policy=None) -> dict:
         """Win rate over the reference summaries and perplexity under the reference model (docs/algorithm.md section 5).
 
         One summary per eval post (greedy unless ``eval_temperature`` > 0). The judge scores the policy's and
