@@ -210,7 +210,9 @@ def format_report(records: list[dict]) -> str:
     arms = {a: i for i, a in enumerate(ARMS)}
     for arm, s in sorted(cells, key=lambda k: (order[k[1]], arms[k[0]])):
         rs = list(cells[(arm, s)].values())
-        col = lambda key: mean_ci([r[key] for r in rs if r.get(key) is not None])  # noqa: E731
+        def col(key: str, rs=rs) -> dict:
+            return mean_ci([r[key] for r in rs if r.get(key) is not None])
+
         lines.append(f"| {arm} | {s} | {_ci(col('kl'))} | {_ci(col('kl_last3'))} | {_ci(col('tv'))} | "
                      f"{_ci(col('reward'))} | {_ci(col('mode_coverage'))} | {col('reuse_mean')['mean']:.2f} | "
                      f"{col('staleness_mean')['mean']:.1f} | {col('train_wall_s')['mean']:.0f} |")
@@ -334,7 +336,8 @@ def run_study(args) -> int:
         print(f"[{i}/{len(cells)}] {cell_name(c)} (elapsed {time.monotonic() - t0:.0f} s)", flush=True)
         overrides = cell_overrides(extra, c, steps, run_dir)
         rec: dict[str, Any] = {**c, "steps": steps, "setup": setup, "config": args.config, "overrides": overrides,
-                               "run_dir": str(run_dir), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                               "run_dir": str(run_dir), "cpus": os.cpu_count(),
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         try:
             run_cell(args, rec, overrides, out)
         except KeyboardInterrupt:

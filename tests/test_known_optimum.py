@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,8 +33,8 @@ def test_exact_metrics_match_a_case_worked_by_hand():
     ref = [0.3, 0.1, 0.1, 0.2, 0.1, 0.1, 0.1]
     theta = [0.15, 0.1, 0.1, 0.4, 0.1, 0.1, 0.05]
     # pi_ref * exp(r / beta) = .3, .2, .2, .8, .2, .2, .4: Z = 2.3, pi* = those / 2.3
-    # KL(theta || pi*) = .15 ln(.15 * 2.3 / .3) + 4 * .1 ln(.1 * 2.3 / .2) + .4 ln(.4 * 2.3 / .8) + .05 ln(.05 * 2.3 / .4)
-    #                 = .95 ln 1.15 + .05 ln .2875
+    # KL(theta || pi*) = .15 ln(.15 * 2.3 / .3) + 4 * .1 ln(.1 * 2.3 / .2) + .4 ln(.4 * 2.3 / .8)
+    #                   + .05 ln(.05 * 2.3 / .4) = .95 ln 1.15 + .05 ln .2875
     kl = 0.95 * math.log(1.15) + 0.05 * math.log(0.2875)
     # TV = 1/2 (|.345 - .3| + 4 |.23 - .2| + |.92 - .8| + |.115 - .4|) / 2.3 = .285 / 2.3
     tv = 0.285 / 2.3
@@ -99,12 +97,13 @@ def test_bad_input_refused_before_ray_starts(argv, text, tmp_path, capsys):
 
 # -- end to end through the CLI: TB reaches pi*, and the check fails for a loss without the reference term --
 
-#: KL(pi_theta || pi*) that TB must end below, nats: 10x below the start (2.156 nats, the shipped config),
-#: and between what TB reached and what the loss without the reference term reached (benchmarks/README.md,
-#: "Known-optimum study": measured margins)
-KL_THRESHOLD = 0.2
+#: KL(pi_theta || pi*) that TB must end below, nats: 10x below the start (2.156 nats with the shipped config).
+#: Measured at 400 steps (benchmarks/README.md, "Known-optimum study"): TB ended at 0.071-0.193 on-policy
+#: (10 of 10 seeds below) and 0.142-0.229 frozen (seed 0, which this deterministic sync-mode run uses: 0.180);
+#: TB without the reference term at 0.586 on-policy and 0.558 frozen.
+KL_THRESHOLD = 0.2156
 #: trainer steps of each end-to-end run
-E2E_STEPS = {"on-policy": 400, "frozen": 400}
+E2E_STEPS = 400
 SETTING = {"on-policy": [], "frozen": ["--searcher.receive_weights", "false"]}
 
 #: a ``sitecustomize`` that swaps the TB loss for one that drops the reference term, in every process of the
@@ -122,7 +121,7 @@ losses.LOSSES["tb"] = _tb_without_reference
 
 def _run_kl(cli, tmp_path, setting: str, env: dict | None = None) -> tuple[float, float]:
     out = tmp_path / setting
-    r = cli.run([CONFIG, "--max-steps", str(E2E_STEPS[setting]), *SETTING[setting], "--run.eval_every", "0",
+    r = cli.run([CONFIG, "--max-steps", str(E2E_STEPS), *SETTING[setting], "--run.eval_every", "0",
                  "--run.checkpoint_every", "0", "--trainer.save_final", "false", "--output-dir", str(out)],
                 env=env)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -140,13 +139,12 @@ def test_tb_reaches_the_optimum_through_the_cli(setting, cli, tmp_path):
     assert after < KL_THRESHOLD, f"TB ended at KL {after:.3f} from pi*"
 
 
-@pytest.mark.parametrize("setting", ["on-policy", "frozen"])
-def test_the_check_fails_for_tb_without_the_reference_term(setting, cli, tmp_path):
+def test_the_check_fails_for_tb_without_the_reference_term(cli, tmp_path):
     """The same run and assertion with the reference term dropped from the TB loss: KL stays above the
     threshold, so the test above would fail if the loss lost pi_ref."""
     patch = tmp_path / "patch"
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(NO_REFERENCE_TB)
     env = {"PYTHONPATH": os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    _, after = _run_kl(cli, tmp_path, setting, env)
+    _, after = _run_kl(cli, tmp_path, "on-policy", env)
     assert after > KL_THRESHOLD, f"the broken loss also reached KL {after:.3f}"

@@ -132,7 +132,10 @@ def _prepare(cfg, resume_dir: str | None):
         ckpt = find(Path(resume_dir))
         resume_step = resumable_step(ckpt) if ckpt is not None else 0
     task = build_task(cfg)  # fails fast on bad data, before any model loads
-    policy_path = task.own_model() if cfg.model.policy == "task" else prepare_model(cfg.model.policy, cfg.model.cache_dir)
+    if cfg.model.policy == "task":  # the task builds its own model (known_optimum)
+        policy_path = task.own_model()
+    else:
+        policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
     _check_prompts(task, policy_path, cfg.searcher.max_new_tokens)
     if resume_dir:

@@ -66,8 +66,8 @@ class KnownOptimumTask(Task):
     at Hamming distance d >= ``min_mode_distance`` it dips (separated modes).
 
     The response space Y(x) is every string of 0..L-1 symbols followed by EOS plus every string of L symbols
-    (cut at the cap): ``sum_{n<L} V^n + V^L`` responses for V symbols. Its probabilities under any autoregressive policy sum to 1, which each eval checks
-    (``total_mass``).
+    (cut at the cap): ``sum_{n<L} V^n + V^L`` responses for V symbols. Their probabilities under any
+    autoregressive policy sum to 1, which each eval checks (``total_mass``).
 
     Args:
         cfg: the task section; ``options`` as :class:`KnownOptimumOptions` (merged with :meth:`run_options`).
@@ -282,21 +282,24 @@ def build_tiny_lm(o: KnownOptimumOptions):
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     if o.hidden_size % o.num_heads:
-        raise ValueError(f"task.options.num_heads {o.num_heads} must divide task.options.hidden_size {o.hidden_size}")
+        raise ValueError(f"task.options.num_heads {o.num_heads} must divide task.options.hidden_size "
+                         f"{o.hidden_size}")
     vocab = {EOS: 0, **{s: i + 1 for i, s in enumerate(o.symbols)}}
     core = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS, pad_token=EOS, unk_token=EOS)
     config = LlamaConfig(vocab_size=len(vocab), hidden_size=o.hidden_size, intermediate_size=2 * o.hidden_size,
                          num_hidden_layers=o.num_layers, num_attention_heads=o.num_heads,
-                         num_key_value_heads=o.num_heads, max_position_embeddings=o.prompt_length + o.max_new_tokens + 8,
+                         num_key_value_heads=o.num_heads,
+                         max_position_embeddings=o.prompt_length + o.max_new_tokens + 8,
                          initializer_range=o.init_std, eos_token_id=0, pad_token_id=0, bos_token_id=None,
                          tie_word_embeddings=False)
     torch.manual_seed(o.model_seed)
     return LlamaForCausalLM(config).float(), tok
 
 
-def _separated_modes(rng: random.Random, symbols: list[str], length: int, count: int, distance: int) -> list[list[str]]:
+def _separated_modes(rng: random.Random, symbols: list[str], length: int, count: int,
+                     distance: int) -> list[list[str]]:
     """``count`` random strings of ``length`` symbols, pairwise at Hamming distance >= ``distance``.
 
     Raises:
