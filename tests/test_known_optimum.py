@@ -68,9 +68,9 @@ def test_enumeration_is_the_engines_distribution(tmp_path):
     model = load_causal_lm(path, torch.float32)
     logp = task.response_logprobs(model, tok)  # [4, 341]
     assert torch.logsumexp(logp, -1).exp() == pytest.approx([1.0] * 4, abs=1e-5)
-    # pi_ref is far from uniform (init_std 0.15): entropy well below log 341 = 5.83 nats
+    # pi_ref is far from uniform (init_std 0.1): entropy 4.66-4.92 nats per prompt, below log 341 = 5.83
     entropy = -(logp.exp() * logp).sum(-1)
-    assert (entropy < math.log(341) - 1.0).all()
+    assert (entropy < math.log(341) - 0.9).all()
     gens = HFEngine(model, tok).generate([task.encode(tok, task.train[1])], 16, 4, 1.0, seed=0)[0]
     index = {y: j for j, y in enumerate(task.responses)}
     for g in gens:
