@@ -106,7 +106,8 @@ def test_skip_bad_rows_option(tmp_path, caplog):
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warning.startswith(f"skipped {len(BAD_LINES)} bad row(s) in {folder / 'train.jsonl'}: ")
     assert f"{folder / 'train.jsonl'}:2: invalid JSON" in warning and warning.endswith("(and 4 more)")
-    with pytest.raises(ValueError, match=r"unknown task.options \['skip_bad_row'\]"):
+    with pytest.raises(ValueError, match=r"^task\.options\.skip_bad_row: Extra inputs are not permitted \(allowed: "
+                                         r"skip_bad_rows\)$"):
         _gsm8k(folder, options={"skip_bad_row": True})
 
 

@@ -187,9 +187,9 @@ def test_task_reward_penalises_cut_off_summaries(model_path, tokenizer):
     raw = task.scorer.score([p.entry["post"]] * 2, [cut, short])
     assert task.reward_batch([cut, short], [p, p]) == pytest.approx([raw[0] - 1.0, raw[1]])
     assert task.reward(short, p) == pytest.approx(raw[1])
-    with pytest.raises(ValueError, match="unknown task.options"):
+    with pytest.raises(ValueError, match=r"^task\.options\.judje: Extra inputs are not permitted \(allowed: "):
         _summarize(options={"judje": "x"})
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(ValueError, match="^task.options.missing_eos_mode: Input should be 'subtract' or 'replace'"):
         _summarize(options={"missing_eos_mode": "drop"})
 
 
@@ -219,14 +219,14 @@ def test_build_task_passes_model_settings_as_default_options(tmp_path):
                                "model.dtype": "float32", "model.cache_dir": str(tmp_path),
                                "task.options.judge_template": "{prompt} -> {summary}"})
     o = build_task(cfg).options
-    assert (o["reference_model"], o["tokenizer"], o["reference_layers"], o["max_new_tokens"]) == (
+    assert (o.reference_model, o.tokenizer, o.reference_layers, o.max_new_tokens) == (
         cfg.model.policy, cfg.model.policy, 2, 12)
-    assert (o["dtype"], o["cache_dir"]) == ("float32", str(tmp_path))
-    assert o["judge_template"] == "{prompt} -> {summary}" and o["reward_model"] == "standin"
+    assert (o.dtype, o.cache_dir) == ("float32", str(tmp_path))
+    assert o.judge_template == "{prompt} -> {summary}" and o.reward_model == "standin"
     cfg = load_config(CONFIG, {"model.reference": "some/reference", "task.options.max_new_tokens": 99})
     o = build_task(cfg).options
-    assert o["max_new_tokens"] == 99  # the user's task.options win
-    assert o["reference_model"] == "some/reference"  # model.reference, when set, is the perplexity model
+    assert o.max_new_tokens == 99  # the user's task.options win
+    assert o.reference_model == "some/reference"  # model.reference, when set, is the perplexity model
     assert "reference_model" not in cfg.task.options  # the config itself is left as it was
 
 

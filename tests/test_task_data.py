@@ -145,6 +145,6 @@ def test_bom_file_through_build_task(tmp_path):
 def test_unknown_task_name_lists_the_known_ones():
     with pytest.raises(ValueError) as err:
         task_class("chess")
-    assert str(err.value) == ("task.name 'chess' is unknown: use one of 'gsm8k', 'reasoning_gym:<dataset>', "
-                              "'redteam', 'summarize'")
+    assert str(err.value) == ("task.name 'chess' is unknown: use one of 'gsm8k', 'known_optimum', "
+                              "'reasoning_gym:<dataset>', 'redteam', 'summarize'")
     assert task_class("reasoning_gym:chain_sum").__name__ == "ReasoningGymTask"

@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import signal
 import sys
+import textwrap
 import time
+import types
+import typing
 from pathlib import Path
 
 from tba.config import ConfigError, iter_fields, load_config, parse_assignments, parse_value
@@ -16,8 +20,51 @@ SHORTCUTS = {"--max-steps": "trainer.max_steps", "--ray-address": "run.ray_addre
              "--output-dir": "run.output_dir", "--mode": "run.mode", "--seed": "run.seed"}
 
 
+class _TrainParser(argparse.ArgumentParser):
+    """``tba train``'s parser; its help ends with every task's options (imported only when help is shown)."""
+
+    def format_help(self) -> str:
+        self.epilog = task_options_help(shutil.get_terminal_size().columns - 2)
+        return super().format_help()
+
+
+def _type_name(ann) -> str:
+    """``Optional[int]`` -> ``int|null``, ``Literal['a', 'b']`` -> ``a|b``, ``list[str]`` -> ``list[str]``."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Literal:
+        return "|".join(map(str, args))
+    if origin in (typing.Union, types.UnionType):
+        return "|".join("null" if a is type(None) else _type_name(a) for a in args)
+    if origin is not None:
+        return f"{origin.__name__}[{', '.join(map(_type_name, args))}]"
+    return getattr(ann, "__name__", str(ann))
+
+
+def task_options_help(width: int = 100) -> str:
+    """The ``task.options`` of every task, a section per task: ``name: type``, description and default, laid
+    out as argparse lays out the config fields above them."""
+    from tba.tasks import task_classes
+
+    width = max(width, 60)
+    lines = textwrap.wrap("task options: set as task.options.NAME=VALUE (YAML: task: {options: {NAME: VALUE}}); "
+                          "each task takes its own, checked before anything starts.", width)
+    wrap = textwrap.TextWrapper(width=width, initial_indent=" " * 24, subsequent_indent=" " * 24)
+    for name, cls in task_classes().items():
+        fields = cls.Options.model_fields
+        lines += ["", f"task.options of {name}:"]
+        if not fields:  # none, or a free dict (reasoning-gym: the dataset's own settings)
+            free = cls.Options.model_config.get("extra") == "allow"
+            text = " ".join((cls.Options.__doc__ or "").split()) if free else "none"
+            lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="  ")
+        for field, info in fields.items():
+            left = f"  {field}: {_type_name(info.annotation)}"
+            body = wrap.wrap(f"{info.description or ''} [default: {info.get_default(call_default_factory=True)!r}]")
+            lines += [left, *body] if len(left) > 22 else [left.ljust(24) + body[0][24:], *body[1:]]
+    return "\n".join(lines)
+
+
 def _train_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _TrainParser(
         prog="tba train",
         description="Post-train a causal LM with TBA: searchers -> replay buffer -> trainer -> weights back. "
         "Every config field can be set in the YAML file or overridden here as --section.field VALUE or "

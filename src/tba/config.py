@@ -65,8 +65,8 @@ class TaskConfig(_Section):
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="Task-specific settings: for reasoning-gym the dataset's own (e.g. {min_terms: 2, max_terms: 2}); "
-        "other tasks document theirs in their module.",
+        description="Task-specific settings, checked against the task's own options (listed per task at the end of "
+        "this help); reasoning-gym: the dataset's own, passed through (e.g. {min_terms: 2, max_terms: 2}).",
     )
     train_size: int = Field(2000, ge=1, description="Training prompts (reasoning-gym: generated; gsm8k: first N).")
     eval_size: int = Field(

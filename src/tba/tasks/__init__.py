@@ -12,7 +12,7 @@ import importlib
 from tba.config import Config
 from tba.tasks.base import Problem, Task
 
-__all__ = ["Problem", "Task", "build_task", "task_class"]
+__all__ = ["Problem", "Task", "build_task", "task_class", "task_classes"]
 
 # task.name (a name ending in ':' takes a suffix, e.g. reasoning_gym:chain_sum) -> "module:Class";
 # imported only when named, so a run loads the dependencies of its own task only
@@ -35,8 +35,18 @@ def task_class(name: str) -> type[Task]:
     if key not in _TASKS:
         known = ", ".join(f"'{k}<dataset>'" if k.endswith(":") else f"'{k}'" for k in _TASKS)
         raise ValueError(f"task.name '{name}' is unknown: use one of {known}")
+    return _import(key)
+
+
+def _import(key: str) -> type[Task]:
     module, cls = _TASKS[key].split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def task_classes() -> dict[str, type[Task]]:
+    """Every task class by its ``task.name`` (``reasoning_gym:<dataset>`` for a suffixed one), for ``--help``;
+    imports every task module."""
+    return {f"{k}<dataset>" if k.endswith(":") else k: _import(k) for k in _TASKS}
 
 
 def build_task(cfg: Config) -> Task:
@@ -44,11 +54,12 @@ def build_task(cfg: Config) -> Task:
 
     The task class gets a copy of the ``task`` section whose ``options`` are the class's
     :meth:`~tba.tasks.Task.run_options` (settings it takes from other sections, e.g. the GGUF cache)
-    updated with the user's ``task.options`` (the user's values win). Runs in the CLI before Ray starts,
-    so bad data fails there.
+    updated with the user's ``task.options`` (the user's values win), which the task validates against its
+    ``Options`` model first thing. Runs in the CLI before Ray starts, so bad options and data fail there.
 
     Raises:
-        ValueError: unknown task name, invalid task settings, or a task left with no training problems
+        ValueError: unknown task name, an unknown or ill-typed option (one line, ``task.options.X: ...``),
+            invalid task settings, or a task left with no training problems
             (the message names the task and its source). :class:`tba.tasks.data.DataError` (a ValueError)
             for malformed or empty data, naming the file. FileNotFoundError: a missing local data path.
     """

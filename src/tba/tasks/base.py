@@ -5,8 +5,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from tba.config import Config, TaskConfig
 from tba.tasks.evaluation import greedy_accuracy
+
+
+class TaskOptions(BaseModel):
+    """A task's ``task.options``: subclass it with one field per option, each with its default and a
+    ``Field(description=...)`` (``tba train --help`` lists them). Unknown keys are refused. This base takes
+    no options."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def parse_options(model: type[BaseModel], given: dict[str, Any] | None) -> BaseModel:
+    """``given`` (the merged ``task.options``) validated as ``model``.
+
+    Raises:
+        ValueError: one line for the first invalid option, ``task.options.X: <what is allowed>`` (an unknown
+            key lists the known ones; a bad value quotes it).
+    """
+    try:
+        return model.model_validate(given or {})
+    except ValidationError as e:
+        err = e.errors()[0]
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg += f" (allowed: {', '.join(sorted(model.model_fields)) or 'none'})"
+    elif "input" in err and not isinstance(err["input"], dict):
+        msg += f" (got {err['input']!r})"
+    raise ValueError(f"task.options.{'.'.join(map(str, err['loc']))}: {msg}")
 
 
 @dataclass
@@ -29,24 +58,29 @@ class Problem:
 class Task:
     """Base class: subclasses fill ``train``/``eval`` and implement :meth:`reward`.
 
-    Every task is built from its config section (:class:`tba.config.TaskConfig`, the one place its
-    defaults are declared) by :func:`tba.tasks.build_task`; a task that needs run settings from other
-    sections declares them in :meth:`run_options`.
+    Every task is built from its config section (:class:`tba.config.TaskConfig`, where the settings all
+    tasks share are declared) by :func:`tba.tasks.build_task`. Its own settings, ``task.options``, are the
+    fields of its :attr:`Options` model (a :class:`TaskOptions`), validated here into ``self.options``
+    before a subclass loads anything; a task that needs run settings from other sections declares them in
+    :meth:`run_options`.
 
     Args:
-        cfg: the task section; here ``system_prompt`` (used when the tokenizer has a chat template) and
-            ``prompt_template`` (the user message, with a ``{question}`` placeholder).
+        cfg: the task section; here ``options``, ``system_prompt`` (used when the tokenizer has a chat
+            template) and ``prompt_template`` (the user message, with a ``{question}`` placeholder).
 
     Raises:
-        ValueError: ``prompt_template`` lacks ``{question}``.
+        ValueError: ``prompt_template`` lacks ``{question}``, or an unknown or invalid option (one line,
+            ``task.options.X: ...``, see :func:`parse_options`).
     """
 
     name = "task"
+    Options: type[BaseModel] = TaskOptions
 
     def __init__(self, cfg: TaskConfig):
         if "{question}" not in cfg.prompt_template:
             raise ValueError("task.prompt_template must contain '{question}'")
         self.config = cfg
+        self.options = parse_options(self.Options, cfg.options)
         self.system_prompt = cfg.system_prompt
         self.prompt_template = cfg.prompt_template
         self.train: list[Problem] = []

