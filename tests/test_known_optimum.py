@@ -97,11 +97,11 @@ def test_bad_input_refused_before_ray_starts(argv, text, tmp_path, capsys):
 
 # -- end to end through the CLI: TB reaches pi*, and the check fails for a loss without the reference term --
 
-#: KL(pi_theta || pi*) that TB must end below, nats: 10x below the start (2.156 nats with the shipped config).
+#: TB must end below this share of its start KL(pi_theta || pi*) (2.156 nats with the shipped config).
 #: Measured at 400 steps (benchmarks/README.md, "Known-optimum study"): TB ended at 0.071-0.193 on-policy
-#: (10 of 10 seeds below) and 0.142-0.229 frozen (seed 0, which this deterministic sync-mode run uses: 0.180);
-#: TB without the reference term at 0.586 on-policy and 0.558 frozen.
-KL_THRESHOLD = 0.2156
+#: (10 of 10 seeds below 0.216) and 0.142-0.229 frozen (seed 0, which this deterministic sync-mode run uses:
+#: 0.180); TB without the reference term at 0.586 on-policy and 0.558 frozen.
+KL_SHARE = 0.1
 #: trainer steps of each end-to-end run
 E2E_STEPS = 400
 SETTING = {"on-policy": [], "frozen": ["--searcher.receive_weights", "false"]}
@@ -132,11 +132,11 @@ def _run_kl(cli, tmp_path, setting: str, env: dict | None = None) -> tuple[float
 
 @pytest.mark.parametrize("setting", ["on-policy", "frozen"])
 def test_tb_reaches_the_optimum_through_the_cli(setting, cli, tmp_path):
-    """TB from its start (>= 10x the threshold away from pi*) to below the threshold, on-policy and with
+    """TB from its start to a tenth of its start KL from pi*, on-policy and with
     searchers that never receive weights (behaviour = pi_ref for the whole run)."""
     before, after = _run_kl(cli, tmp_path, setting)
-    assert before >= 10 * KL_THRESHOLD
-    assert after < KL_THRESHOLD, f"TB ended at KL {after:.3f} from pi*"
+    assert before > 2.0  # far from pi* at the start: the bound below is a 10x reduction
+    assert after < KL_SHARE * before, f"TB went from KL {before:.3f} to {after:.3f} from pi*"
 
 
 def test_the_check_fails_for_tb_without_the_reference_term(cli, tmp_path):
@@ -146,5 +146,5 @@ def test_the_check_fails_for_tb_without_the_reference_term(cli, tmp_path):
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(NO_REFERENCE_TB)
     env = {"PYTHONPATH": os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    _, after = _run_kl(cli, tmp_path, "on-policy", env)
-    assert after > KL_THRESHOLD, f"the broken loss also reached KL {after:.3f}"
+    before, after = _run_kl(cli, tmp_path, "on-policy", env)
+    assert after > KL_SHARE * before, f"the broken loss also went from KL {before:.3f} to {after:.3f}"
