@@ -20,9 +20,13 @@ TINY_LAYERS = 2
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-marked tests are skipped, not failed, where no CUDA GPU is visible."""
+    """Tests that run the CLI end to end (the ``cli`` fixture) are marked ``slow``, so ``-m "not slow"`` skips
+    them locally (CI runs them all); GPU-marked tests are skipped, not failed, where no CUDA GPU is visible."""
     import torch
 
+    for item in items:
+        if "cli" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none visible); benchmarks/gpu_check.sh runs these")

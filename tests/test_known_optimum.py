@@ -98,13 +98,13 @@ def test_bad_input_refused_before_ray_starts(argv, text, tmp_path, capsys):
 # -- end to end through the CLI: TB reaches pi*, and the check fails for a loss without the reference term --
 
 #: TB must end below this share of its start KL(pi_theta || pi*) (2.156 nats with the shipped config).
-#: Measured at 400 steps (benchmarks/README.md, "Known-optimum study"): TB ended at 0.071-0.193 on-policy
-#: (10 of 10 seeds below 0.216) and 0.142-0.229 frozen (seed 0, which this deterministic sync-mode run uses:
-#: 0.180); TB without the reference term at 0.586 on-policy and 0.558 frozen.
-KL_SHARE = 0.1
+#: Measured at 400 steps with searchers that never receive weights (benchmarks/README.md, "Known-optimum
+#: study", 10 seeds): TB ended at 0.142-0.229 (seed 0, which this sync-mode run uses: 0.180), below the
+#: bound 0.27 on every seed, so a change of floating-point rounding between machines cannot flip the test;
+#: TB without the reference term ended at 0.558.
+KL_SHARE = 1 / 8
 #: trainer steps of each end-to-end run
 E2E_STEPS = 400
-SETTING = {"on-policy": [], "frozen": ["--searcher.receive_weights", "false"]}
 
 #: a ``sitecustomize`` that swaps the TB loss for one that drops the reference term, in every process of the
 #: run (the CLI and Ray's workers inherit PYTHONPATH): the target becomes exp(r / beta), not pi*
@@ -119,32 +119,32 @@ losses.LOSSES["tb"] = _tb_without_reference
 '''
 
 
-def _run_kl(cli, tmp_path, setting: str, env: dict | None = None) -> tuple[float, float]:
-    out = tmp_path / setting
-    r = cli.run([CONFIG, "--max-steps", str(E2E_STEPS), *SETTING[setting], "--run.eval_every", "0",
-                 "--run.checkpoint_every", "0", "--trainer.save_final", "false", "--output-dir", str(out)],
-                env=env)
+def _run_frozen(cli, tmp_path, env: dict | None = None) -> tuple[float, float]:
+    """(KL before, KL after) of a run whose searchers never receive weights: behaviour = pi_ref throughout,
+    the fully off-policy setting, through the whole runtime."""
+    out = tmp_path / "run"
+    r = cli.run([CONFIG, "--max-steps", str(E2E_STEPS), "--searcher.receive_weights", "false",
+                 "--run.eval_every", "0", "--run.checkpoint_every", "0", "--trainer.save_final", "false",
+                 "--output-dir", str(out)], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_after"]["total_mass"] == pytest.approx(1.0, abs=1e-4)
     return summary["eval_before"]["kl"], summary["eval_after"]["kl"]
 
 
-@pytest.mark.parametrize("setting", ["on-policy", "frozen"])
-def test_tb_reaches_the_optimum_through_the_cli(setting, cli, tmp_path):
-    """TB from its start to a tenth of its start KL from pi*, on-policy and with
-    searchers that never receive weights (behaviour = pi_ref for the whole run)."""
-    before, after = _run_kl(cli, tmp_path, setting)
-    assert before > 2.0  # far from pi* at the start: the bound below is a 10x reduction
+def test_tb_reaches_the_optimum_from_pi_ref_samples(cli, tmp_path):
+    """TB trained only on pi_ref's samples ends within an eighth of its start KL from pi*."""
+    before, after = _run_frozen(cli, tmp_path)
+    assert before > 2.0  # far from pi* at the start
     assert after < KL_SHARE * before, f"TB went from KL {before:.3f} to {after:.3f} from pi*"
 
 
 def test_the_check_fails_for_tb_without_the_reference_term(cli, tmp_path):
     """The same run and assertion with the reference term dropped from the TB loss: KL stays above the
-    threshold, so the test above would fail if the loss lost pi_ref."""
+    bound, so the test above would fail if the loss lost pi_ref."""
     patch = tmp_path / "patch"
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(NO_REFERENCE_TB)
     env = {"PYTHONPATH": os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    before, after = _run_kl(cli, tmp_path, "on-policy", env)
+    before, after = _run_frozen(cli, tmp_path, env)
     assert after > KL_SHARE * before, f"the broken loss also went from KL {before:.3f} to {after:.3f}"
