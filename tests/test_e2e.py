@@ -213,6 +213,100 @@ def test_killed_searcher_is_restarted_and_run_completes(tmp_path, cli):
     cli.assert_nothing_left()
 
 
+#: a ``sitecustomize`` for every process of the run (the CLI and Ray's workers inherit PYTHONPATH): when
+#: ``tba.searcher`` is imported, wrap ``Searcher.step`` so that the first searcher process to hold policy
+#: version >= 2 makes one batch with it and raises on the next (once per run: a flag file), and every batch
+#: a searcher process generates is logged with its pid and its samples' policy versions
+RAISE_ONCE = '''
+import importlib.abc, json, os, sys
+
+FLAG, LOG = os.environ.get("TBA_TEST_RAISED"), os.environ.get("TBA_TEST_BATCHES")
+
+
+def _patch(module):
+    step = module.Searcher.step
+
+    def flaky_step(self):
+        if self.version >= 2 and not os.path.exists(FLAG):
+            if getattr(self, "_fresh_batches", 0) >= 1:
+                with open(FLAG, "w") as f:
+                    json.dump({"pid": os.getpid(), "version": self.version}, f)
+                raise RuntimeError("injected searcher failure")
+            self._fresh_batches = getattr(self, "_fresh_batches", 0) + 1
+        samples, metrics = step(self)
+        with open(LOG, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "versions": sorted({s.policy_version for s in samples})}) + "\\n")
+        return samples, metrics
+
+    module.Searcher.step = flaky_step
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "tba.searcher":
+            return None
+        sys.meta_path.remove(self)
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if FLAG and LOG:
+    sys.meta_path.insert(0, _Hook())
+'''
+
+
+def test_raising_searcher_is_restarted_with_the_newest_weights(tmp_path, cli):
+    """A searcher whose loop raises mid-run (not a kill) is restarted; the run completes, and the restarted
+    searcher's first batch is generated with the newest weights published before the restart.
+
+    By hand, with k = 1 (weights published after every step): the driver looks for dead searchers at the
+    start of each loop iteration, so the first step recorded with ``searcher/restarts`` = 1, s_r, is the
+    one whose iteration restarted it, after version s_r - 1 was published. The new searcher's first buffer
+    call fetches the newest version, >= s_r - 1, before it generates anything; without that hand-over it
+    would generate with the initial weights, version 0 (and the raise comes at version >= 2 < s_r)."""
+    patch = tmp_path / "patch"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(RAISE_ONCE)
+    raised, batches = tmp_path / "raised.json", tmp_path / "batches.jsonl"
+    env = {"PYTHONPATH": os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           "TBA_TEST_RAISED": str(raised), "TBA_TEST_BATCHES": str(batches)}
+    out = tmp_path / "raise"
+    r = cli.run([*TINY, "--max-steps", "24", "--trainer.sync_period", "1", "--run.eval_before", "false",
+                 "--run.eval_after", "false", "--trainer.save_final", "false", "--run.tensorboard", "false",
+                 "--output-dir", str(out)], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "searcher 0 died (RuntimeError: injected searcher failure)" in r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer_steps"] == 24 and summary["searcher_restarts"] == 1
+    records = [rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec]
+    assert [rec["step"] for rec in records] == list(range(1, 25))
+    s_r = next(rec["step"] for rec in records if rec["searcher/restarts"] == 1.0)
+    assert records[-1]["searcher/restarts"] == 1.0
+    died = json.loads(raised.read_text())
+    assert died["version"] >= 2 and s_r - 1 >= died["version"]
+    logged = [json.loads(line) for line in batches.read_text().splitlines()]
+    before = [b["versions"] for b in logged if b["pid"] == died["pid"]]
+    after = [b["versions"] for b in logged if b["pid"] != died["pid"]]
+    assert 2 <= before[-1][0] <= died["version"]  # a batch of version >= 2 reached the buffer first
+    assert after, "the restarted searcher made no batch before the run ended"
+    assert min(after[0]) >= s_r - 1, (s_r, after[:3])
+    assert summary["searcher_max_version"] >= s_r - 1
+    # what the run records says the same: the one searcher's last-batch version never goes back (a restart
+    # from the initial weights would show a 0 once the new searcher's first batch landed)
+    served = [rec["searcher/min_version"] for rec in records]
+    assert served == sorted(served) and served[-1] >= s_r - 1, served
+    cli.assert_nothing_left()
+
+
 def test_non_finite_steps_stop_with_checkpoint(tmp_path, cli):
     """An absurd learning rate makes the loss non-finite: steps are skipped, then the run stops with a
     clear message and a resumable checkpoint."""
