@@ -210,6 +210,53 @@ def test_empty_recent_set_falls_back_to_all_prompts():
     assert sorted(s.prompt_id for s in batch.samples) == [0, 1]
 
 
+def test_mixing_frequencies_for_m_between_0_and_1():
+    """0 < m < 1: the share of batch prompts that come from the newest sync's recent set, worked out by hand.
+
+    P = 12 prompts; the newest sync's recent set is prompts 9-11 (R = 3); m = 0.3; N = 8000 batches of one
+    prompt (B = K = 1), so ``buffer/on_policy_frac`` (0 or 1) names each draw's branch.
+    - Each draw takes the recent branch with probability m, independently: N_on ~ Binomial(N, m), mean
+      N m = 2400, sigma = sqrt(N m (1 - m)) = sqrt(1680) = 41.0, so |N_on - 2400| <= 4 sigma = 164.
+    - The other draws walk shuffled epochs over ALL P prompts (recent ones included), without replacement:
+      over N_off draws every prompt comes up floor(N_off / P) or floor(N_off / P) + 1 times, so the recent
+      prompts get N_off R / P + e off-policy draws with |e| <= R (P - R) / P = 2.25 (the partial epoch).
+    - The recent prompts' share is S = (N_on + N_off R / P + e) / N = R / P + (N_on / N)(1 - R / P) + e / N,
+      so E[S] = m + (1 - m) R / P = 0.3 + 0.7 * 0.25 = 0.475 and
+      |S - 0.475| <= 4 * 41.0 * 0.75 / 8000 + 2.25 / 8000 = 0.0154 + 0.0003.
+      (m ignored as 1 gives S = 1; m = 0 gives 0.25; an off-policy branch over the non-recent prompts only
+      gives 0.3; m and 1 - m swapped give 0.775.)
+    - With B = 4 the m-coin is tossed per prompt, not per batch: a batch has j recent-branch prompts with
+      probability C(4, j) 0.3^j 0.7^(4-j); j = 2: 6 * 0.09 * 0.49 = 0.2646, so over 2000 batches
+      2000 * 0.2646 = 529.2 +- 4 * sqrt(2000 * 0.2646 * 0.7354) = 4 * 19.7 = 78.9 (a per-batch coin: 0).
+    """
+    m, n_prompts, n_draws = 0.3, 12, 8000
+    buf = make_buffer(on_policy_prob=m, seed=5)
+    buf.add([mk(p, 0) for p in range(9) for _ in range(2)])
+    buf.sync(min_version=0)
+    buf.add([mk(p, 1) for p in (9, 10, 11) for _ in range(2)])
+    assert buf.sync(min_version=1) == 3  # the newest recent set: prompts 9, 10, 11
+    recent = {9, 10, 11}
+    on, off = collections.Counter(), collections.Counter()
+    for step in range(n_draws):
+        batch = buf.sample(1, 1, step=step)
+        (on if batch.metrics["buffer/on_policy_frac"] == 1.0 else off)[batch.samples[0].prompt_id] += 1
+    n_on, n_off = sum(on.values()), sum(off.values())
+    assert abs(n_on - n_draws * m) <= 4 * math.sqrt(n_draws * m * (1 - m))  # 164.0
+    assert set(on) == recent  # the recent branch draws only the newest sync's prompts
+    assert set(off) == set(range(n_prompts)) and max(off.values()) - min(off.values()) <= 1  # epochs
+    off_recent = sum(off[p] for p in recent)
+    assert 0 <= off_recent - len(recent) * (n_off // n_prompts) <= len(recent)  # R per full epoch
+    share = (n_on + off_recent) / n_draws
+    r_frac = len(recent) / n_prompts
+    bound = 4 * math.sqrt(n_draws * m * (1 - m)) * (1 - r_frac) / n_draws + 3 * (1 - r_frac) / n_draws
+    assert abs(share - (m + (1 - m) * r_frac)) <= bound  # 0.475 +- 0.0157
+
+    per_batch = collections.Counter(buf.sample(4, 1, step=n_draws + i).metrics["buffer/on_policy_frac"]
+                                    for i in range(2000))
+    p2 = 6 * m**2 * (1 - m) ** 2  # 0.2646
+    assert abs(per_batch[0.5] - 2000 * p2) <= 4 * math.sqrt(2000 * p2 * (1 - p2))  # 529.2 +- 78.9
+
+
 # ---------------------------------------------------------------------- the async staleness bound
 
 

@@ -389,6 +389,49 @@ def test_searcher_survives_raising_and_hanging_rewards(tiny_model, model_path, t
         release.set()
 
 
+#: what the reward returns for the 6 responses of a batch (2 prompts x 3), in the searcher's order: four
+#: non-numbers (a string, None, NaN, -inf) and two numbers (an int counts: float(1) = 1.0)
+ODD_REWARDS = ["0.5 please", None, float("nan"), float("-inf"), 0.25, 1]
+
+
+@pytest.mark.parametrize("path", ["reward", "reward_batch"])
+def test_searcher_counts_non_number_rewards_as_failures(tiny_model, tokenizer, path):
+    """A reward that returns a non-number (per call, or inside a batched reward's list) is a failure:
+    counted in ``searcher/reward_failures``, its sample dropped (failed_reward None) or given failed_reward,
+    never raised. By hand: the 4 odd values fail; kept rewards [0.25, 1.0], mean 0.625; with
+    failed_reward -1 all 6 stay, [-1, -1, -1, -1, 0.25, 1.0], mean (-4 + 1.25) / 6 = -0.4583."""
+    from tba.searcher import Searcher
+
+    task, _ = _prompts(tokenizer)
+    calls = {"n": 0}
+
+    def odd(response, problem):
+        value = ODD_REWARDS[calls["n"] % len(ODD_REWARDS)]
+        calls["n"] += 1
+        return value
+
+    if path == "reward":
+        task.reward = odd
+    else:  # the searcher batches only when the task's class overrides reward_batch
+        task.__class__ = type("BatchedTask", (type(task),), {
+            "reward_batch": lambda self, texts, problems: [odd(t, p) for t, p in zip(texts, problems)]})
+    cfg = SearcherConfig(prompts_per_batch=2, samples_per_prompt=3, max_new_tokens=4)
+    s = Searcher(HFEngine(tiny_model, tokenizer), tiny_model, task, tokenizer, [0, 1], 0, cfg, score_micro_batch=16,
+                 seed=0)
+    samples, metrics = s.step()
+    assert calls["n"] == 6  # one value per response; none fell back to another scoring path
+    assert [x.reward for x in samples] == [0.25, 1.0]  # the 5th and 6th responses: the batch's second prompt
+    assert len({x.prompt_id for x in samples}) == 1
+    assert metrics["searcher/reward_failures"] == 4.0 and metrics["searcher/reward_mean"] == 0.625
+    s.cfg.failed_reward = -1.0
+    samples, metrics = s.step()
+    assert [x.reward for x in samples] == [-1.0, -1.0, -1.0, -1.0, 0.25, 1.0]
+    assert all(isinstance(x.reward, float) for x in samples)
+    assert metrics["searcher/reward_failures"] == 4.0
+    assert metrics["searcher/reward_mean"] == pytest.approx((-4 + 1.25) / 6)
+    assert s.reward_failures == 8
+
+
 def test_packed_weights_round_trip_and_tied_once(model_path):
     """fp32 master weights -> bf16 pack -> a perturbed bf16 copy: every tensor equals the cast original,
     the tied embedding / LM head is stored once and still tied after loading, a wrong architecture raises."""

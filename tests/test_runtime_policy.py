@@ -78,6 +78,10 @@ def test_searcher_metrics_average_between_drains():
     assert out["searcher/reward_mean"] == 0.75 and out["buffer/samples_added"] == 12.0
     assert (out["searcher/min_version"], out["searcher/max_version"]) == (2.0, 4.0)
     assert out["searcher/reward_failures_total"] == 1.0
+    # a restarted searcher 0 says hello (no batch, version 0) before it fetches the newest weights: its last
+    # batch's version stays 2, not 0
+    m.add(0, {}, searcher_id=0, version=0)
+    assert m.summary(drain=False)["searcher/min_version"] == 2.0
     assert "searcher/reward_mean" not in m.summary(drain=True)  # drained
     restored = SearcherMetrics()
     restored.load_state_dict(m.state_dict())

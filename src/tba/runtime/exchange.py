@@ -51,10 +51,12 @@ class SearcherMetrics:
         self._pending: dict[str, list[float]] = {}
 
     def add(self, n_samples: int, metrics: dict[str, float], searcher_id: int, version: int) -> None:
-        """Count one searcher batch of ``n_samples`` with its ``searcher/*`` metrics."""
+        """Count one searcher batch of ``n_samples`` with its ``searcher/*`` metrics; the empty call a searcher
+        makes when it (re)starts, before its first batch, leaves its version as it was."""
         self.samples_added += n_samples
         self.reward_failures += int(metrics.get("searcher/reward_failures", 0))
-        self.versions[searcher_id] = version
+        if n_samples or metrics:  # a (re)started searcher's first call (no batch yet) generated nothing
+            self.versions[searcher_id] = version
         for k, v in metrics.items():
             self._pending.setdefault(k, []).append(v)
 
