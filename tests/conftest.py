@@ -115,3 +115,42 @@ class TbaCli:
 def cli(request) -> TbaCli:
     """A :class:`TbaCli` with a marker unique to this test."""
     return TbaCli(f"{request.node.name}-{os.getpid()}-{time.time()}")
+
+
+#: a ``sitecustomize`` that runs ``PATCH`` (with the module bound to ``module``) right after ``TARGET`` is
+#: first imported, in every process that has it on PYTHONPATH: the CLI and Ray's daemons and workers inherit
+#: it, and processes that never import ``TARGET`` pay nothing
+_PATCH_ON_IMPORT = '''
+import importlib.abc, importlib.util, sys
+TARGET, PATCH = {target!r}, {patch!r}
+
+
+class _Hook(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            exec(PATCH, {{"module": module}})
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Hook())
+'''
+
+
+def patched_env(tmp_path: Path, target: str, patch: str, **env: str) -> dict:
+    """Extra environment for :meth:`TbaCli.run` under which every process of the run executes ``patch``
+    (Python source; ``module`` is the imported module) once ``target`` (a module name) is imported: fault
+    injection into the real runtime without mocks. ``env``: further variables."""
+    folder = tmp_path / "patch"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_PATCH_ON_IMPORT.format(target=target, patch=patch))
+    path = os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {"PYTHONPATH": path, **env}

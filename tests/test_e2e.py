@@ -9,6 +9,7 @@ import signal
 import time
 
 import pytest
+from conftest import patched_env
 
 from tba.logger import read_metrics
 
@@ -227,55 +228,31 @@ def test_killed_searcher_is_restarted_and_run_completes(tmp_path, cli):
     cli.assert_nothing_left()
 
 
-#: a ``sitecustomize`` for every process of the run (the CLI and Ray's workers inherit PYTHONPATH): when
-#: ``tba.searcher`` is imported, wrap ``Searcher.step`` so that the first searcher process to hold policy
-#: version >= 2 makes one batch with it and raises on the next (once per run: a flag file), and every batch
-#: a searcher process generates is logged with its pid and its samples' policy versions
-RAISE_ONCE = '''
-import importlib.abc, json, os, sys
+#: run in every process of the run once ``tba.searcher`` is imported (``patched_env``): the first searcher
+#: process to hold policy version >= 2 makes one batch with it and raises on the next (once per run: a flag
+#: file), and every batch a searcher process generates is logged with its pid and its samples' versions
+RAISE_ONCE = """
+import json, os
 
-FLAG, LOG = os.environ.get("TBA_TEST_RAISED"), os.environ.get("TBA_TEST_BATCHES")
-
-
-def _patch(module):
-    step = module.Searcher.step
-
-    def flaky_step(self):
-        if self.version >= 2 and not os.path.exists(FLAG):
-            if getattr(self, "_fresh_batches", 0) >= 1:
-                with open(FLAG, "w") as f:
-                    json.dump({"pid": os.getpid(), "version": self.version}, f)
-                raise RuntimeError("injected searcher failure")
-            self._fresh_batches = getattr(self, "_fresh_batches", 0) + 1
-        samples, metrics = step(self)
-        with open(LOG, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "versions": sorted({s.policy_version for s in samples})}) + "\\n")
-        return samples, metrics
-
-    module.Searcher.step = flaky_step
+FLAG, LOG = os.environ["TBA_TEST_RAISED"], os.environ["TBA_TEST_BATCHES"]
+step = module.Searcher.step
 
 
-class _Hook(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "tba.searcher":
-            return None
-        sys.meta_path.remove(self)
-        import importlib.util
-
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
+def flaky_step(self):
+    if self.version >= 2 and not os.path.exists(FLAG):
+        if getattr(self, "_fresh_batches", 0) >= 1:
+            with open(FLAG, "w") as f:
+                json.dump({"pid": os.getpid(), "version": self.version}, f)
+            raise RuntimeError("injected searcher failure")
+        self._fresh_batches = getattr(self, "_fresh_batches", 0) + 1
+    samples, metrics = step(self)
+    with open(LOG, "a") as f:
+        f.write(json.dumps({"pid": os.getpid(), "versions": sorted({s.policy_version for s in samples})}) + "\\n")
+    return samples, metrics
 
 
-if FLAG and LOG:
-    sys.meta_path.insert(0, _Hook())
-'''
+module.Searcher.step = flaky_step
+"""
 
 
 def test_raising_searcher_is_restarted_with_the_newest_weights(tmp_path, cli):
@@ -287,12 +264,9 @@ def test_raising_searcher_is_restarted_with_the_newest_weights(tmp_path, cli):
     one whose iteration restarted it, after version s_r - 1 was published. The new searcher's first buffer
     call fetches the newest version, >= s_r - 1, before it generates anything; without that hand-over it
     would generate with the initial weights, version 0 (and the raise comes at version >= 2 < s_r)."""
-    patch = tmp_path / "patch"
-    patch.mkdir()
-    (patch / "sitecustomize.py").write_text(RAISE_ONCE)
     raised, batches = tmp_path / "raised.json", tmp_path / "batches.jsonl"
-    env = {"PYTHONPATH": os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "TBA_TEST_RAISED": str(raised), "TBA_TEST_BATCHES": str(batches)}
+    env = patched_env(tmp_path, "tba.searcher", RAISE_ONCE, TBA_TEST_RAISED=str(raised),
+                      TBA_TEST_BATCHES=str(batches))
     out = tmp_path / "raise"
     r = cli.run([*TINY, "--max-steps", "24", "--trainer.sync_period", "1", "--run.eval_before", "false",
                  "--run.eval_after", "false", "--trainer.save_final", "false", "--run.tensorboard", "false",
@@ -318,6 +292,32 @@ def test_raising_searcher_is_restarted_with_the_newest_weights(tmp_path, cli):
     # from the initial weights would show a 0 once the new searcher's first batch landed)
     served = [rec["searcher/min_version"] for rec in records]
     assert served == sorted(served) and served[-1] >= s_r - 1, served
+    cli.assert_nothing_left()
+
+
+#: run in every process once the reasoning-gym task is imported: every reward raises
+REWARD_DOWN = """
+def down(self, response, problem):
+    raise ConnectionError("reward server down")
+
+
+module.ReasoningGymTask.reward = down
+"""
+
+
+def test_sync_run_whose_every_reward_fails_stops_with_one_line(tmp_path, cli):
+    """Sync mode, every reward raising and ``searcher.failed_reward`` null: no sample can reach the buffer,
+    so the run stops at the first generation round with one line naming the cause (it used to generate
+    forever), and leaves nothing running."""
+    out = tmp_path / "down"
+    r = cli.run([*TINY, "--max-steps", "3", "--mode", "sync", "--run.eval_before", "false", "--output-dir",
+                 str(out)], timeout=120, env=patched_env(tmp_path, "tba.tasks.reasoning_gym", REWARD_DOWN))
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    # one round: 2 prompts x 4 responses, every reward failed
+    assert errors == ["error: sync mode: generation added no sample (8 rewards failed, last: ConnectionError: "
+                      "reward server down) and the buffer is empty; searcher.failed_reward is null, so failed "
+                      "samples are dropped: fix the reward, or set searcher.failed_reward"], r.stderr
     cli.assert_nothing_left()
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import patched_env
 
 from tba.cli import main
 from tba.config import load_config
@@ -106,17 +106,20 @@ KL_SHARE = 1 / 8
 #: trainer steps of each end-to-end run
 E2E_STEPS = 400
 
-#: a ``sitecustomize`` that swaps the TB loss for one that drops the reference term, in every process of the
-#: run (the CLI and Ray's workers inherit PYTHONPATH): the target becomes exp(r / beta), not pi*
-NO_REFERENCE_TB = '''
+#: run in every process of the run once ``tba.losses`` is imported (``patched_env``): the TB loss drops the
+#: reference term, so its target becomes exp(r / beta), not pi*
+NO_REFERENCE_TB = """
 import dataclasses
 import torch
-import tba.losses as losses
-_tb = losses.trajectory_balance
-def _tb_without_reference(inp, hp=losses._DEFAULT_HP):
+_tb = module.trajectory_balance
+
+
+def _tb_without_reference(inp, hp=module._DEFAULT_HP):
     return _tb(dataclasses.replace(inp, ref_logp=torch.zeros_like(inp.ref_logp)), hp)
-losses.LOSSES["tb"] = _tb_without_reference
-'''
+
+
+module.LOSSES["tb"] = _tb_without_reference
+"""
 
 
 def _run_frozen(cli, tmp_path, env: dict | None = None) -> tuple[float, float]:
@@ -142,9 +145,5 @@ def test_tb_reaches_the_optimum_from_pi_ref_samples(cli, tmp_path):
 def test_the_check_fails_for_tb_without_the_reference_term(cli, tmp_path):
     """The same run and assertion with the reference term dropped from the TB loss: KL stays above the
     bound, so the test above would fail if the loss lost pi_ref."""
-    patch = tmp_path / "patch"
-    patch.mkdir()
-    (patch / "sitecustomize.py").write_text(NO_REFERENCE_TB)
-    env = {"PYTHONPATH": os.pathsep.join([str(patch), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    before, after = _run_frozen(cli, tmp_path, env)
+    before, after = _run_frozen(cli, tmp_path, patched_env(tmp_path, "tba.losses", NO_REFERENCE_TB))
     assert after > KL_SHARE * before, f"the broken loss also went from KL {before:.3f} to {after:.3f}"

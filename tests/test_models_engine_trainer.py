@@ -390,8 +390,9 @@ def test_searcher_survives_raising_and_hanging_rewards(tiny_model, model_path, t
 
 
 #: what the reward returns for the 6 responses of a batch (2 prompts x 3), in the searcher's order: four
-#: non-numbers (a string, None, NaN, -inf) and two numbers (an int counts: float(1) = 1.0)
-ODD_REWARDS = ["0.5 please", None, float("nan"), float("-inf"), 0.25, 1]
+#: non-numbers (a numeric string and a bool, which float() would take, None, NaN) and two numbers (an int
+#: counts: float(1) = 1.0)
+ODD_REWARDS = ["0.5", True, None, float("nan"), 0.25, 1]
 
 
 @pytest.mark.parametrize("path", ["reward", "reward_batch"])

@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     from tba.models import ModelLoadError
-    from tba.runtime.cadence import TooManySkippedSteps
+    from tba.runtime.cadence import NoSamples, TooManySkippedSteps
 
     try:
         path, overrides, resume = parse_train_args(rest)
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     except TooManySkippedSteps as e:
         print(f"error: {e} (a checkpoint was saved)", file=sys.stderr)
         return 1
-    except (ConfigError, ModelLoadError, OSError, ValueError, TimeoutError) as e:
+    except (ConfigError, ModelLoadError, NoSamples, OSError, ValueError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     except Exception as e:  # noqa: BLE001 - one line for the user; the Ray traceback is already logged

@@ -63,6 +63,7 @@ class Searcher:
         self._undelivered: list[int] = []  # prompts of the batch being generated, until the buffer has it
         self._prompt_ids = {i: task.encode(tokenizer, task.train[i]) for i in self.problem_ids}
         self.reward_failures = 0
+        self.last_reward_error: str | None = None  # the newest failure's reason, for the run's error line
 
     def load_weights(self, version: int, weights: PackedWeights) -> None:
         """Load published policy weights (:meth:`Trainer.publish_weights`) into the engine, in place; samples
@@ -115,6 +116,7 @@ class Searcher:
         for (pid, prompt, g), ref_lp, (reward, err) in zip(flat, ref, scored):
             if err is not None:
                 failures += 1
+                self.last_reward_error = err
                 log.warning("searcher %d: reward failed for prompt %d: %s", self.searcher_id, pid, err)
                 if self.cfg.failed_reward is None:
                     continue
@@ -213,7 +215,10 @@ def call_with_timeout(fn: Callable[..., Any], *args: Any, timeout_s: float) -> t
 
 
 def check_reward(value: Any) -> tuple[float | None, str | None]:
-    """``(float(value), None)`` for a finite number, else ``(None, reason)``."""
+    """``(float(value), None)`` for a finite number, else ``(None, reason)``; a string or a bool is not a
+    number, though ``float`` takes ``"0.5"`` and ``True`` (a scorer returning one has a bug to surface)."""
+    if isinstance(value, (str, bytes, bool)):
+        return None, f"reward is not a number: {value!r}"
     try:
         value = float(value)
     except (TypeError, ValueError):

@@ -98,6 +98,10 @@ class SearcherActor:
         """Restore :meth:`state_dict` before ``run`` starts."""
         self.searcher.load_state_dict(state)
 
+    def last_reward_error(self) -> str | None:
+        """The reason of this searcher's newest reward failure, if any."""
+        return self.searcher.last_reward_error
+
     def run(self, buffer, max_batches: int | None = None) -> int:
         """Loop: load newer weights if published -> generate a batch -> add it. Returns batches made."""
         s = self.searcher

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from tba.config import Config
 
 
+class NoSamples(RuntimeError):
+    """A sync-mode generation round left the buffer empty (every reward failed): training cannot start."""
+
+
 class TooManySkippedSteps(RuntimeError):
     """More trainer steps in a row than ``trainer.max_consecutive_skips`` had a non-finite loss or gradient.
 

@@ -21,7 +21,7 @@ from tba.config import Config
 from tba.placement import resolve_placement
 from tba.runtime.actors import BufferActor, SearcherActor, TrainerActor
 from tba.runtime.bootstrap import init_ray
-from tba.runtime.cadence import Cadence, TooManySkippedSteps
+from tba.runtime.cadence import Cadence, NoSamples, TooManySkippedSteps
 from tba.runtime.state import RunState
 from tba.runtime.supervisor import SearcherSupervisor
 
@@ -222,9 +222,9 @@ class RayRuntime:
             self._inflight = self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
                                                            c.trainer.group_size)
             metrics = ray.get(self._inflight)
-            if metrics is None:  # cannot happen after the fill (samples are never removed below it)
+            if metrics is None:  # the buffer is below buffer.min_fill (samples are never removed below it)
                 self._inflight = None
-                time.sleep(0.1)
+                time.sleep(0.1 if c.run.mode == "async" else 0)
                 continue
             if self.cadence.publish_due(st.step + 1):
                 self.on_phase("publish", st.step + 1)
@@ -244,8 +244,25 @@ class RayRuntime:
             # the recent set is exactly the batch just generated (every sample since the previous sync),
             # whichever version the searchers were served (trainer.generation_lag, searcher.receive_weights)
             ray.get(self.buffer.sync.remote(0))
+            self._check_fill_progress()
         else:
             self.state.searcher_restarts += self.searchers.restart_dead()
+
+    def _check_fill_progress(self) -> None:
+        """Sync mode trains once the buffer holds a sample (:func:`mode_config`); a generation round that
+        leaves it empty (every reward failed, failed samples dropped) would repeat forever.
+
+        Raises:
+            NoSamples: one line naming the cause, with the count and the newest reward error.
+        """
+        stats = ray.get(self.buffer.stats.remote(False))
+        if stats["buffer/size"] > 0:
+            return
+        failures = int(stats["searcher/reward_failures_total"])
+        last = next(filter(None, ray.get([s.last_reward_error.remote() for s in self.searchers])), None)
+        raise NoSamples(f"sync mode: generation added no sample ({failures} rewards failed, last: {last}) and the "
+                        "buffer is empty; searcher.failed_reward is null, so failed samples are dropped: fix the "
+                        "reward, or set searcher.failed_reward")
 
     def _publish(self, version: int, reset: bool = False) -> None:
         if not self.cfg.searcher.receive_weights:
