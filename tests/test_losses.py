@@ -363,10 +363,12 @@ def test_registry_names_and_metric_contract():
 
 
 @pytest.mark.parametrize("name", sorted(LOSSES))
-def test_padding_values_never_reach_loss_or_gradient(name):
+@pytest.mark.parametrize("pad", [PAD, -math.inf])
+def test_padding_values_never_reach_loss_or_gradient(name, pad):
     # float32, padded positions with logp - behaviour = 100 and ref - logp = 100: exp(100) = inf in fp32,
-    # and inf * 0 = NaN, so padding must be removed before any exp. The result must equal the same batch
-    # with zeros in the padding.
+    # and inf * 0 = NaN, so padding must be removed before any exp; a -inf log-prob in the padding (a masked
+    # logit) gives -inf * 0 = NaN even in a plain masked sum, so it is removed with torch.where, never by
+    # multiplying. The result must equal the same batch with zeros in the padding.
     def run(pad: float):
         inp = _generic(beta=0.1 if name != "online_dpo" else 0.5)
         pad_mask = inp.mask == 0
@@ -378,7 +380,7 @@ def test_padding_values_never_reach_loss_or_gradient(name):
         return loss, grad(loss, inp)
 
     loss0, g0 = run(0.0)
-    loss_pad, g_pad = run(PAD)
+    loss_pad, g_pad = run(pad)
     assert torch.isfinite(loss_pad) and torch.isfinite(g_pad).all()
     assert torch.allclose(loss0, loss_pad) and torch.allclose(g0, g_pad)
 

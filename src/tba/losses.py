@@ -139,8 +139,8 @@ def trajectory_balance(
     k = _check(inp, "tb", ("ref_logp", "mask"))
     if inp.beta <= 0:
         raise ValueError(f"beta must be > 0 for trajectory balance, got {inp.beta}")
-    logp = (inp.logp * inp.mask).sum(-1)  # [N]
-    ref_logp = (inp.ref_logp * inp.mask).sum(-1)  # [N]
+    logp = _seq(inp.logp, inp.mask)  # [N]
+    ref_logp = _seq(inp.ref_logp, inp.mask)  # [N]
     target = inp.reward / inp.beta + ref_logp  # [N], log of the unnormalised optimum pi_ref * exp(r/beta)
     log_z = (target - logp).detach().view(-1, k).mean(-1, keepdim=True)  # [B, 1], stop-gradient
     resid = log_z + logp.view(-1, k) - target.view(-1, k)  # [B, K]

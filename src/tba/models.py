@@ -83,7 +83,7 @@ def prepare_model(spec: str, cache_dir: str | None = None) -> str:
     try:
         gguf_model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    except Exception as e:  # gguf raises assorted errors on a bad file; report one line
+    except Exception as e:  # noqa: BLE001 - gguf raises assorted errors on a bad file; report one line
         raise ModelLoadError(f"model '{spec}': {src} is not a loadable GGUF model ({type(e).__name__}: {e})") from None
     config = gguf_model.config
     if hasattr(config, "quantization_config"):

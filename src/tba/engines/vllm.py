@@ -44,9 +44,9 @@ class VLLMEngine:
     (``tba.engines.base.Engine``). The engine is built with:
 
     - the engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while it is built): no engine
-      process to leak, startup ~3 s on CPU, and weights can be swapped by passing tensors
+      process to leak, a start-up of seconds on CPU, and weights can be swapped by passing tensors
       (:meth:`load_weights`) instead of through a file;
-    - ``enforce_eager=True``: torch.compile would add ~50 s of startup for a 1.4x speed-up on CPU;
+    - ``enforce_eager=True``: on CPU torch.compile adds far more start-up than it saves in a short run;
     - prefix caching on: the K samples of a prompt, and a prompt seen again, reuse its KV blocks (the CPU
       backend uses 128-token blocks; only full blocks are cached). :meth:`load_weights` resets that cache.
 
@@ -59,18 +59,15 @@ class VLLMEngine:
     the LLM is built, through the original ``torch._C.set_num_threads(threads)``; it does not pin threads
     to cores, so inside a Ray actor with ``num_cpus=threads`` the engine uses exactly its share and the OS
     places the threads (Ray sets ``OMP_NUM_THREADS=num_cpus`` in the actor as well; checked in an actor with
-    ``num_cpus=1``: 1 thread, no child process). Measured on a 2-core machine, full SmolLM2-135M float32:
-    1 thread uses 1.0 core (260 tokens/s for 24 x 64-token samples), 2 threads 1.8 cores (315 tokens/s);
-    more OpenMP threads than free cores is much slower (2 threads while another process kept one core
-    busy: 4-10x slower), as OpenMP threads spin-wait at barriers. In the multi-process mode (not used
-    here) the worker would bind to every core of the node, ignoring the actor's share, unless
-    ``VLLM_CPU_OMP_THREADS_BIND`` names the cores.
+    ``num_cpus=1``: 1 thread, no child process). More OpenMP threads than free cores is several times
+    slower, as OpenMP threads spin-wait at barriers (figures: benchmarks/README.md, "Figures formerly in
+    docstrings"). In the multi-process mode (not used here) the worker would bind to every core of the
+    node, ignoring the actor's share, unless ``VLLM_CPU_OMP_THREADS_BIND`` names the cores.
 
     Memory: the KV cache is ``kv_cache_gib`` on CPU (vLLM's ``kv_cache_memory_bytes``; the legacy
     ``VLLM_CPU_KVCACHE_SPACE`` env var takes whole GiB only and would override it, so it is hidden while the
-    engine is built) and ``gpu_memory_utilization`` of the GPU on CUDA. RSS of a process with one engine on
-    CPU, 1 GiB of KV: ~2.3 GB for the 2-layer SmolLM2, ~2.8 GB for the full 135M model (float32; 2.3 GB
-    bf16); an engine adds ~0.65 GB with 0.25 GiB of KV, ~1.4 GB with 1 GiB, and :meth:`close` returns it.
+    engine is built) and ``gpu_memory_utilization`` of the GPU on CUDA; :meth:`close` returns an engine's
+    memory (resident sizes: benchmarks/README.md, "Figures formerly in docstrings").
 
     Args:
         model_path: a Hugging Face model folder (config.json, generation_config.json, *.safetensors,
@@ -204,15 +201,13 @@ class VLLMEngine:
         them into its own storage, cast to the engine's dtype. Calling the model's ``load_weights`` directly
         fails on the CPU backend because of that repacking. The prefix cache is then reset: its KV blocks
         were computed with the old weights and would otherwise be reused, silently, for any prompt that
-        shares a full block with an earlier one. Measured on CPU (``last_swap_s``): 0.3-0.5 s for the full
-        SmolLM2-135M from a float32 pack (513 MB; the first swap ~1 s), 0.23-0.34 s from a bf16 pack; 0.13 s
-        for the 2-layer cut.
+        shares a full block with an earlier one. ``last_swap_s`` records each swap's seconds (figures:
+        benchmarks/README.md, "Figures formerly in docstrings").
 
         A tied LM head is passed too, as the embedding tensor under the head's name: on the CPU backend the
         head keeps a prepacked (oneDNN) copy of the embedding made at load time, and a reload that passes
         only the embedding updates the embedding but leaves that copy, so the logits would still come from
-        the old weights (measured: up to 0.4 nats off after perturbing the embedding only; exact when the
-        head is passed as well).
+        the old weights (exact when the head is passed as well).
 
         Raises:
             ValueError: the pack's names or shapes differ from the model's checkpoint (another architecture);

@@ -204,7 +204,7 @@ def _math_verify_match(pred: str, gold: str) -> bool:
         if not gold_parsed or not pred_parsed:
             return False
         return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
-    except Exception:  # math-verify/sympy failures on odd input mean "no match", not a crash
+    except Exception:  # noqa: BLE001 - math-verify/sympy failures on odd input mean "no match", not a crash
         return False
 
 
