@@ -22,9 +22,10 @@ def test_vllm_searchers_get_weights_and_record_versions(tmp_path, cli):
     r = cli.run([*VLLM, "--max-steps", "4", "--trainer.sync_period", "1", "--run.checkpoint_every", "3",
                  "--output-dir", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "engine vllm" in r.stdout
+    assert "engine vllm" in r.stdout and "evals with vllm" in r.stdout  # run.eval_engine auto, on a CPU
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == 4 and summary["searcher_max_version"] >= 1
+    assert summary["eval_after"]["n"] == 8  # the eval after training ran on the trainer's vLLM engine
     saved = json.loads((out / "checkpoint" / "buffer.json").read_text())["buffer"]["samples"]
     versions = {s["policy_version"] for _, s in saved}
     # samples generated after a weight swap carry its version, and none claims one not yet published (the

@@ -10,7 +10,7 @@ import torch
 
 from tba.cli import main
 from tba.config import Config, ConfigError
-from tba.placement import check_engine, resolve_placement, vllm_memory_share
+from tba.placement import check_engine, describe, resolve_placement, vllm_memory_share
 
 
 def _cfg(**sections) -> Config:
@@ -43,11 +43,26 @@ def test_even_split_and_explicit_shares(gpus, searchers, trainer, searcher, want
     ({"trainer": {"num_gpus": 1}}, 1, "leave no GPU for the roles left unset"),
     ({"searcher": {"engine": "vllm", "num_gpus": 0}, "trainer": {"num_gpus": 1}}, 1,
      "searcher.num_gpus: a vLLM searcher on a CUDA run needs a GPU share"),
+    ({"run": {"eval_engine": "vllm"}}, 1, "run.eval_engine: 'vllm' evaluates on CPU runs only for now"),
 ])
 def test_placement_errors_name_the_field(sections, gpus, message):
     with pytest.raises(ConfigError) as e:
         resolve_placement(_cfg(**sections), gpus)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("engine, eval_engine, gpus, want", [
+    ("vllm", "auto", 0, "vllm"),  # a vLLM run on a CPU evaluates with vLLM
+    ("vllm", "auto", 1, "hf"),    # on CUDA the evals stay on the trainer's transformers engine
+    ("hf", "auto", 0, "hf"),
+    ("vllm", "hf", 0, "hf"),      # asked for explicitly
+    ("hf", "vllm", 0, "vllm"),
+])
+def test_eval_engine_resolution(engine, eval_engine, gpus, want):
+    cfg = _cfg(searcher={"engine": engine}, run={"eval_engine": eval_engine})
+    out = resolve_placement(cfg, gpus)
+    assert out.run.eval_engine == want
+    assert f"evals with {want}" in describe(out)
 
 
 def test_vllm_memory_share_follows_the_gpu_share():

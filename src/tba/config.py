@@ -223,6 +223,12 @@ class RunConfig(_Section):
     eval_before: bool = Field(True, description="Run the task's eval before training.")
     eval_after: bool = Field(True, description="Run the task's eval after training.")
     eval_batch_size: int = Field(32, ge=1, description="Eval responses decoded at once.")
+    eval_engine: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="Engine of the held-out evals. 'hf': tba's transformers engine on a copy of the trainer's "
+        "policy; 'vllm': a vLLM engine in the trainer's process, given the trainer's weights before each eval (CPU "
+        "runs only for now); 'auto': searcher.engine on a CPU run, else 'hf'. Greedy agreement of the two: "
+        "benchmarks/README.md, 'Eval engines'.",
+    )
     eval_every: int = Field(
         0, ge=0, description="Also evaluate every N trainer steps (logged as eval/*; searchers keep generating "
         "meanwhile); 0 = only before and after training."

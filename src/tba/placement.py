@@ -61,7 +61,23 @@ def resolve_placement(cfg: Config, gpus_available: float) -> Config:
             raise ConfigError("searcher.num_gpus: a vLLM searcher on a CUDA run needs a GPU share (> 0)")
     out.model.device = device
     out.trainer.num_gpus, out.searcher.num_gpus = trainer, searcher
+    out.run.eval_engine = _eval_engine(cfg, device)
     return out
+
+
+def _eval_engine(cfg: Config, device: str) -> str:
+    """``run.eval_engine`` resolved to 'hf' or 'vllm' (see :class:`tba.config.RunConfig`).
+
+    Raises:
+        ConfigError: 'vllm' asked for on a CUDA run (a vLLM engine beside the trainer on its GPU, with its
+            memory pre-allocation, has not been tried).
+    """
+    choice = cfg.run.eval_engine
+    if choice == "auto":
+        return cfg.searcher.engine if device == "cpu" else "hf"
+    if choice == "vllm" and device == "cuda":
+        raise ConfigError("run.eval_engine: 'vllm' evaluates on CPU runs only for now; use 'hf' or 'auto' on CUDA")
+    return choice
 
 
 def _split(cfg: Config, gpus: float) -> tuple[float, float]:
@@ -88,10 +104,12 @@ def check_engine(cfg: Config) -> None:
     """Fail before anything starts when the configured engine's library is missing.
 
     Raises:
-        ConfigError: ``searcher.engine`` is 'vllm' and vLLM is not installed; the message says what to install.
+        ConfigError: ``searcher.engine`` or ``run.eval_engine`` is 'vllm' and vLLM is not installed; the
+            message says what to install.
     """
-    if cfg.searcher.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"searcher.engine: 'vllm' needs vLLM, which is not installed: {VLLM_INSTALL}")
+    for field, engine in (("searcher.engine", cfg.searcher.engine), ("run.eval_engine", cfg.run.eval_engine)):
+        if engine == "vllm" and importlib.util.find_spec("vllm") is None:
+            raise ConfigError(f"{field}: 'vllm' needs vLLM, which is not installed: {VLLM_INSTALL}")
 
 
 def vllm_memory_share(cfg: Config) -> float:
@@ -107,6 +125,6 @@ def describe(cfg: Config) -> str:
     c, n = cfg.searcher, cfg.searcher.num_searchers
     if cfg.model.device == "cpu":
         return (f"placement: CPU; trainer {cfg.trainer.threads} thread(s), {n} searcher(s) x {c.threads} thread(s), "
-                f"engine {c.engine}, reference on the {cfg.model.reference_on}")
+                f"engine {c.engine}, reference on the {cfg.model.reference_on}, evals with {cfg.run.eval_engine}")
     return (f"placement: CUDA; trainer {cfg.trainer.num_gpus:g} GPU, {n} searcher(s) x {c.num_gpus:g} GPU, "
-            f"engine {c.engine}, reference on the {cfg.model.reference_on}")
+            f"engine {c.engine}, reference on the {cfg.model.reference_on}, evals with {cfg.run.eval_engine}")

@@ -6,7 +6,6 @@ Each actor owns one plain object and forwards calls to it; what runs where, and 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import ray
@@ -123,6 +122,7 @@ class TrainerActor:
 
     def __init__(self, cfg: dict, policy_path: str, ref_path: str):
         from tba.runtime.build import build_trainer, generation_dtype, quiet_libraries
+        from tba.runtime.evaluation import PolicyEvaluator
         from tba.tasks import build_task
 
         quiet_libraries()
@@ -130,6 +130,7 @@ class TrainerActor:
         self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path, ref_path)
         self.task = build_task(self.cfg)
         self.gen_dtype = generation_dtype(self.cfg)
+        self.evaluator = PolicyEvaluator(self.cfg, policy_path, self.tokenizer, self.task)
 
     def train_step(self, buffer, num_prompts: int, group_size: int):
         """Sample a batch from the buffer and take one optimizer step; None if the buffer is not ready."""
@@ -141,16 +142,8 @@ class TrainerActor:
         return [ray.put(self.trainer.publish_weights(self.gen_dtype))]
 
     def evaluate(self) -> dict:
-        """The task's held-out metrics (:meth:`Task.evaluate`) for the current policy, on a copy in the
-        generation dtype."""
-        from tba.engines.hf import HFEngine
-
-        model = copy.deepcopy(self.trainer.model).to(self.gen_dtype).eval()
-        result = self.task.evaluate(HFEngine(model, self.tokenizer), self.tokenizer, self.cfg.run.eval_batch_size,
-                                    self.cfg.searcher.max_new_tokens, policy=model)
-        del model
-        self.trainer.model.train()
-        return result
+        """The task's held-out metrics for the current policy (:class:`tba.runtime.evaluation.PolicyEvaluator`)."""
+        return self.evaluator.evaluate(self.trainer)
 
     def step_count(self) -> int:
         """Optimizer steps taken (including skipped ones)."""

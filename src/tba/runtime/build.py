@@ -56,6 +56,31 @@ def build_engine(cfg: Config, policy_path: str, tokenizer, seed: int, task, prob
     return HFEngine(policy, tokenizer, cfg.searcher.max_num_seqs)
 
 
+def build_eval_engine(cfg: Config, policy_path: str, policy, tokenizer, task) -> Engine:
+    """The engine of the held-out evals (``run.eval_engine``, resolved by :func:`tba.placement.resolve_placement`).
+
+    Args:
+        policy_path: the policy's folder (a vLLM engine is built from it once, then given weights).
+        policy: the policy to evaluate as a transformers causal LM in the generation dtype (the hf engine
+            wraps it as it is).
+        task: sizes vLLM's sequences by the longest eval (or train) prompt plus ``searcher.max_new_tokens``.
+
+    Returns:
+        ``HFEngine`` over ``policy`` (``run.eval_batch_size`` responses decoding at once), or a ``VLLMEngine``
+        holding the weights of ``policy_path``: the caller loads the policy's weights into it before each eval.
+    """
+    if cfg.run.eval_engine != "vllm":
+        return HFEngine(policy, tokenizer, cfg.run.eval_batch_size)
+    from tba.engines.vllm import VLLMEngine
+
+    n = cfg.model.num_hidden_layers
+    folder = truncated_copy(policy_path, n, cfg.model.cache_dir) if n else policy_path
+    longest = max(len(task.encode(tokenizer, p)) for p in task.eval or task.train)
+    return VLLMEngine(folder, dtype=pick_dtype(cfg.model.dtype), device="cpu", max_num_seqs=cfg.run.eval_batch_size,
+                      max_model_len=longest + cfg.searcher.max_new_tokens, kv_cache_gib=cfg.searcher.kv_cache_gib,
+                      threads=cfg.trainer.threads, seed=cfg.run.seed)
+
+
 def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: int) -> Searcher:
     """A searcher with its own policy copy in its engine and, unless the trainer scores pi_ref
     (``model.reference_on``), its own reference model, both in the generation dtype on ``model.device``."""

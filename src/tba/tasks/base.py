@@ -116,14 +116,17 @@ class Task:
         """Held-out metrics of the policy behind ``engine``; default: greedy accuracy on ``self.eval``.
 
         Args:
-            engine: generation engine holding the policy; tokenizer: its tokenizer.
-            batch_size: responses decoded at once; max_new_tokens: response cap, tokens.
-            policy: the same policy as a transformers causal LM (eval mode), for tasks whose metrics score
-                responses instead of generating them (``known_optimum``); unused here.
+            engine: a :class:`tba.engines.base.Engine` holding the policy (``run.eval_engine``; it decodes as
+                many responses at once as it was built for); tokenizer: its tokenizer.
+            batch_size: responses per ``generate`` call, for tasks that chunk their eval set (unused here);
+                max_new_tokens: response cap, tokens.
+            policy: the same policy as a transformers causal LM (eval mode) on the run's device, for tasks
+                whose metrics score responses instead of generating them (``known_optimum``) or that need the
+                device (``summarize`` puts its reference model there); unused here.
 
         Returns a dict with at least one float metric (``accuracy`` here) and optional ``examples``.
         """
-        return greedy_accuracy(engine, self, tokenizer, self.eval, batch_size, max_new_tokens)
+        return greedy_accuracy(engine, self, tokenizer, self.eval, max_new_tokens)
 
     def is_correct(self, response: str, problem: Problem) -> bool:
         """Eval criterion: full reward."""

@@ -9,16 +9,15 @@ from __future__ import annotations
 import math
 
 
-def greedy_accuracy(engine, task, tokenizer, problems, batch_size: int = 32, max_new_tokens: int = 64,
-                    num_examples: int = 3) -> dict:
+def greedy_accuracy(engine, task, tokenizer, problems, max_new_tokens: int = 64, num_examples: int = 3) -> dict:
     """Fraction of ``problems`` whose greedy response gets full reward.
 
     Args:
-        engine: generation engine (``HFEngine``) holding the policy to evaluate.
+        engine: generation engine (:class:`tba.engines.base.Engine`) holding the policy to evaluate; it
+            batches all of ``problems`` as it was built to (``run.eval_batch_size`` decoding at once).
         task: the task (prompt encoding, ``is_correct``).
         tokenizer: the policy's tokenizer.
         problems: held-out problems.
-        batch_size: responses decoded at once (continuous batching over all of ``problems``).
         max_new_tokens: response cap, tokens.
         num_examples: first responses returned verbatim, for the run's log.
 
@@ -27,9 +26,7 @@ def greedy_accuracy(engine, task, tokenizer, problems, batch_size: int = 32, max
     """
     correct = 0
     examples = []
-    # one call, batch_size responses decoding at once: a finished one's row goes to the next problem
-    gens = engine.generate([task.encode(tokenizer, p) for p in problems], 1, max_new_tokens, greedy=True,
-                           max_num_seqs=batch_size)
+    gens = engine.generate([task.encode(tokenizer, p) for p in problems], 1, max_new_tokens, greedy=True)
     for p, (g,) in zip(problems, gens):
         text = tokenizer.decode(g.response_ids, skip_special_tokens=True)
         ok = task.is_correct(text, p)

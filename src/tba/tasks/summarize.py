@@ -256,7 +256,7 @@ class SummarizeTask(Task):
         penalty, mode = self.options.missing_eos_penalty, self.options.missing_eos_mode
         rewards = [apply_missing_eos_penalty(s, g.finished, penalty, mode)
                    for s, g in zip(self._scores(self.scorer, summaries, self.eval), gens)]
-        ref_model = self._reference_model(engine.model.device)
+        ref_model = self._reference_model(policy.device if policy is not None else "cpu")
         logp_sum, n_tok = 0.0, 0.0
         with torch.no_grad():
             for s in range(0, len(gens), batch_size):
