@@ -42,7 +42,7 @@ c. **Trainer**: ``tba.trainer.Trainer.step`` on a quickstart-sized batch: B = 4 
    real quickstart prompts (~54 tokens) and ~16-token responses (random token ids, lengths 12-20; the
    compute does not depend on the content), float32 master weights under bf16 autocast (as tba's runtime
    builds its trainer), ``micro_batch_size`` 32; the same batch twice: as it comes (the K
-   responses of a prompt share one prompt pass, ``tba.models.token_logprobs``) and with 32 distinct prompts
+   responses of a prompt share one prompt pass, ``tba.scoring.token_logprobs``) and with 32 distinct prompts
    of the same lengths (every row computed in full), side by side. Trained tokens/s counts prompt +
    response tokens of every sample (as ``perf/train_tokens_per_s`` does); MFU = 6 x (block params x computed
    tokens + LM-head params x response tokens) per second / bf16 peak, where computed tokens count each

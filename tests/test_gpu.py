@@ -11,8 +11,9 @@ import torch
 from test_e2e import TINY
 
 from tba.config import Config
-from tba.models import load_causal_lm, token_logprobs
+from tba.models import load_causal_lm
 from tba.runtime.build import build_searcher, build_trainer
+from tba.scoring import token_logprobs
 from tba.types import Batch
 from tba.weights import pack_weights
 

@@ -12,7 +12,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 L1 = ("tba.types", "tba.config")
-L2 = ("tba.losses", "tba.buffer", "tba.rewards", "tba.engines", "tba.models", "tba.placement", "tba.weights")
+L2 = ("tba.losses", "tba.buffer", "tba.rewards", "tba.engines", "tba.models", "tba.scoring", "tba.placement",
+      "tba.weights")
 L3 = ("tba.tasks", "tba.checkpoint", "tba.logger")
 PURE_RUNTIME = ("tba.runtime.cadence", "tba.runtime.state", "tba.runtime.exchange")
 # importer (a module, or a package and all its modules) -> the tba modules it may import, besides its own
@@ -81,6 +82,7 @@ def test_planted_violations_are_reported_with_file_and_line(tmp_path):
         "engines/hf.py": "from tba.engines.base import Generation\nfrom ..weights import pack\nimport ray\n",
         "rewards/math.py": "from tba.rewards.diversity import d\nfrom tba import weights\n",
         "models.py": "import vllm.inputs\n",
+        "scoring.py": "import torch\nfrom tba.types import Sample\nfrom tba.models import load_causal_lm\n",
         "runtime/cadence.py": "from tba.config import Config\nfrom tba.runtime.driver import RayRuntime\n",
         "runtime/state.py": "def f():\n    import ray\n",
         "runtime/actors.py": "import ray\nfrom tba.trainer import Trainer\n",
@@ -97,5 +99,6 @@ def test_planted_violations_are_reported_with_file_and_line(tmp_path):
         "tba/rewards/math.py:2: tba.rewards.math imports tba.weights",
         "tba/runtime/cadence.py:2: tba.runtime.cadence imports tba.runtime.driver",
         "tba/runtime/state.py:2: tba.runtime.state imports ray",
+        "tba/scoring.py:3: tba.scoring imports tba.models",
         "tba/trainer.py:1: tba.trainer imports tba.searcher",
     ]

@@ -11,13 +11,8 @@ import torch
 
 from tba.config import Config, LossConfig, SearcherConfig, TaskConfig, TrainerConfig
 from tba.engines.hf import HFEngine, sample_categorical
-from tba.models import (
-    ModelLoadError,
-    enable_activation_checkpointing,
-    pad_prompt_response,
-    prepare_model,
-    token_logprobs,
-)
+from tba.models import ModelLoadError, enable_activation_checkpointing, prepare_model
+from tba.scoring import pad_prompt_response, token_logprobs
 from tba.tasks import build_task
 from tba.trainer import Trainer, linear_beta
 from tba.types import Batch, Sample

@@ -14,8 +14,8 @@ import torch
 
 from tba.buffer import ReplayBuffer
 from tba.config import Config
-from tba.models import token_logprobs
 from tba.runtime.build import build_searcher, build_trainer, generation_dtype
+from tba.scoring import token_logprobs
 
 STEPS, K_SYNC = 4, 2
 

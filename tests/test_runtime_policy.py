@@ -1,13 +1,16 @@
-"""The run's policy without Ray: cadence (publish / eval / checkpoint / stop), run state, weight board and
-searcher metrics, with hand-worked schedules."""
+"""The run's policy without Ray: cadence (publish / eval / checkpoint / stop), run state, weight board, the
+buffer's add reply and searcher metrics, with hand-worked schedules."""
 
 from __future__ import annotations
+
+import dataclasses
+import pickle
 
 import pytest
 
 from tba.config import load_config
 from tba.runtime.cadence import Cadence, TooManySkippedSteps
-from tba.runtime.exchange import SearcherMetrics, WeightBoard
+from tba.runtime.exchange import AddReply, SearcherMetrics, WeightBoard
 from tba.runtime.state import RunState
 
 
@@ -68,6 +71,14 @@ def test_weight_board_lag_serves_older_versions():
     assert board.newer_than(2) is None  # a searcher holding version 2 gets nothing newer
     board.publish(10, "w10", reset=True)
     assert (board.version, board.newer_than(4)) == (10, "w10")
+
+
+def test_add_reply_is_a_frozen_value_that_survives_pickling():
+    """The buffer actor's reply crosses Ray (pickled); a searcher reads it and cannot change it."""
+    reply = AddReply(stop=False, version=3, weights=["ref"])
+    assert pickle.loads(pickle.dumps(reply)) == reply and AddReply(stop=True, version=0).weights is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reply.stop = True  # type: ignore[misc]
 
 
 def test_searcher_metrics_average_between_drains():

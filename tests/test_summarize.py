@@ -195,7 +195,7 @@ def test_task_reward_penalises_cut_off_summaries(model_path, tokenizer):
 
 def test_evaluate_win_rate_and_perplexity(model_path, tokenizer, tiny_model):
     from tba.engines.hf import HFEngine
-    from tba.models import token_logprobs
+    from tba.scoring import token_logprobs
 
     task = _summarize(options={"reference_model": model_path, "reference_layers": 2, "num_examples": 2,
                                "dtype": "float32"}, train_size=4, eval_size=3)

@@ -20,7 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tba.engines.base import Engine  # noqa: E402
 from tba.engines.vllm import VLLMEngine  # noqa: E402
-from tba.models import load_causal_lm, load_tokenizer, token_logprobs  # noqa: E402
+from tba.models import load_causal_lm, load_tokenizer  # noqa: E402
+from tba.scoring import token_logprobs  # noqa: E402
 from tba.weights import pack_weights  # noqa: E402
 
 MAX_LEN = 1024

@@ -16,7 +16,7 @@ import torch
 
 from tba.config import SearcherConfig
 from tba.engines.base import Engine
-from tba.models import token_logprobs
+from tba.scoring import token_logprobs
 from tba.tasks.base import Task
 from tba.types import PackedWeights, Sample
 

@@ -13,7 +13,7 @@ import torch
 
 from tba.config import LossConfig, TrainerConfig
 from tba.losses import LOSSES, LossInputs
-from tba.models import token_logprobs
+from tba.scoring import token_logprobs
 from tba.types import Batch, PackedWeights
 from tba.weights import pack_weights
 

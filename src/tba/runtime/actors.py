@@ -13,7 +13,7 @@ import ray
 from tba import checkpoint
 from tba.buffer import ReplayBuffer
 from tba.config import Config
-from tba.runtime.exchange import SearcherMetrics, WeightBoard
+from tba.runtime.exchange import AddReply, SearcherMetrics, WeightBoard
 
 
 @ray.remote
@@ -33,13 +33,12 @@ class BufferActor:
         self.metrics = SearcherMetrics()
         self.stop = False
 
-    def add(self, samples, metrics: dict, searcher_id: int, searcher_version: int) -> dict:
-        """Store a searcher's samples; reply with the stop flag, the newest version and its weights if newer
+    def add(self, samples, metrics: dict, searcher_id: int, searcher_version: int) -> AddReply:
+        """Store a searcher's samples; reply with the stop flag, the served version and its weights if newer
         than ``searcher_version``."""
         self.buffer.add(samples)
         self.metrics.add(len(samples), metrics, searcher_id, searcher_version)
-        return {"stop": self.stop, "version": self.board.version,
-                "weights": self.board.newer_than(searcher_version)}
+        return AddReply(stop=self.stop, version=self.board.version, weights=self.board.newer_than(searcher_version))
 
     def publish(self, version: int, weights_ref: list, reset: bool = False) -> None:
         """Make ``weights_ref`` (a one-element list, so Ray does not resolve it) the newest policy
@@ -104,13 +103,13 @@ class SearcherActor:
     def run(self, buffer, max_batches: int | None = None) -> int:
         """Loop: load newer weights if published -> generate a batch -> add it. Returns batches made."""
         s = self.searcher
-        info = ray.get(buffer.add.remote([], {}, s.searcher_id, s.version))
+        reply: AddReply = ray.get(buffer.add.remote([], {}, s.searcher_id, s.version))
         made = 0
-        while not info["stop"] and (max_batches is None or made < max_batches):
-            if info["weights"] is not None:
-                s.load_weights(info["version"], ray.get(info["weights"][0]))
+        while not reply.stop and (max_batches is None or made < max_batches):
+            if reply.weights is not None:
+                s.load_weights(reply.version, ray.get(reply.weights[0]))
             samples, metrics = s.step()
-            info = ray.get(buffer.add.remote(samples, metrics, s.searcher_id, s.version))
+            reply = ray.get(buffer.add.remote(samples, metrics, s.searcher_id, s.version))
             s.delivered()
             made += 1
         return made

@@ -1,12 +1,14 @@
 """What searchers and the trainer exchange through the buffer actor, as plain objects (no Ray).
 
 The buffer actor holds the replay buffer, a :class:`WeightBoard` and a :class:`SearcherMetrics`, so one
-round trip of a searcher both delivers its samples and fetches newer weights.
+round trip of a searcher both delivers its samples and fetches newer weights; it answers with an
+:class:`AddReply`.
 """
 
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -39,6 +41,24 @@ class WeightBoard:
         """The served handle if it is newer than ``version``, else None."""
         served, handle = self._kept[0]
         return handle if served > version and handle is not None else None
+
+
+@dataclass(frozen=True)
+class AddReply:
+    """The buffer actor's answer to a searcher's ``add`` (what ``SearcherActor.run`` acts on next).
+
+    Attributes:
+        stop: the run is ending (``BufferActor.set_stop``): the searcher makes no further batch and returns.
+        version: the policy version searchers are served now (:attr:`WeightBoard.version`: trainer steps
+            taken when it was published; 0 is the initial policy), whether or not ``weights`` is set.
+        weights: the handle of the weights of ``version`` (as published: a one-element list holding the
+            object-store reference of a ``PackedWeights``) when ``version`` is newer than the version the
+            searcher reported; None when the searcher already has them.
+    """
+
+    stop: bool
+    version: int
+    weights: Any = None
 
 
 class SearcherMetrics:

@@ -180,9 +180,9 @@ class KnownOptimumTask(Task):
     @torch.no_grad()
     def response_logprobs(self, model, tokenizer, micro_batch: int = 4096) -> torch.Tensor:
         """log pi(y|x) of every response of every prompt at ``options.temperature`` [P, N] (nats, float64),
-        summed over the response's tokens (EOS included) with :func:`tba.models.token_logprobs`, the
+        summed over the response's tokens (EOS included) with :func:`tba.scoring.token_logprobs`, the
         trainer's own scoring."""
-        from tba.models import token_logprobs
+        from tba.scoring import token_logprobs
 
         eos = tokenizer.eos_token_id
         ids = [tokenizer.convert_tokens_to_ids(list(y)) + ([] if len(y) == self.options.max_new_tokens else [eos])

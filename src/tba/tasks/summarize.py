@@ -240,7 +240,7 @@ class SummarizeTask(Task):
         """
         import torch
 
-        from tba.models import token_logprobs
+        from tba.scoring import token_logprobs
 
         temp = self.options.eval_temperature
         prompts = [self.encode(tokenizer, p) for p in self.eval]
