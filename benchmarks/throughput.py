@@ -32,12 +32,11 @@ b. **Generation**: generated tokens/s of tba's searcher engine (``tba.engines.hf
    the same device, with ``--threads`` threads, ``max_num_seqs`` = the batch size (one engine per batch
    size) and ``max_model_len`` = longest prompt + max new tokens; its prefix cache is on as in a searcher, but
    caches full 128-token blocks only (CPU), which these ~54 + 32-token requests never fill. All three
-   regimes: natural lengths call the engine's ``generate`` as a searcher does; **forced lengths** call the
-   engine's vLLM ``LLM`` directly with the same SamplingParams plus ``min_tokens`` (not part of the Engine
-   protocol; ``_vllm_lengths``); in the **continuous** regime vLLM gets all the prompts in one call and its
-   scheduler batches continuously (at most ``max_num_seqs`` = one batch decoding at once). vLLM's tokens/s,
-   fraction of peak and ratios to the engine and to ``generate`` are in the table and the JSON
-   (``vllm_over_engine``, ``vllm_over_generate``).
+   regimes: natural lengths call the engine's ``generate`` as a searcher does; **forced lengths** call it
+   with ``min_new_tokens`` (vLLM's ``min_tokens``; ``_vllm_lengths``); in the **continuous** regime vLLM
+   gets all the prompts in one call and its scheduler batches continuously (at most ``max_num_seqs`` = one
+   batch decoding at once). vLLM's tokens/s, fraction of peak and ratios to the engine and to ``generate``
+   are in the table and the JSON (``vllm_over_engine``, ``vllm_over_generate``).
 c. **Trainer**: ``tba.trainer.Trainer.step`` on a quickstart-sized batch: B = 4 prompts x K = 8 responses,
    real quickstart prompts (~54 tokens) and ~16-token responses (random token ids, lengths 12-20; the
    compute does not depend on the content), float32 master weights under bf16 autocast (as tba's runtime
@@ -320,20 +319,10 @@ def open_vllm(spec: dict, bs: int):
 
 def _vllm_lengths(engine, prompts: list[list[int]], n: int, max_new: int, temperature: float,
                   min_new: int) -> list[int]:
-    """Response lengths (EOS included) of one vLLM call over all ``prompts``. Natural lengths: the engine's
-    ``generate``, as a searcher calls it. Forced (``min_new`` > 0): ``min_tokens`` is not in the Engine
-    protocol, so the engine's vLLM ``LLM`` is called directly with the SamplingParams ``generate`` builds
-    (one per call rather than per prompt; unseeded) plus ``min_tokens``."""
-    if not min_new:
-        return [len(g.response_ids) for group in engine.generate(prompts, n, max_new, temperature) for g in group]
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(n=n, temperature=temperature, top_p=1.0, top_k=0, min_p=0.0, max_tokens=max_new,
-                            min_tokens=min_new, logprobs=0, detokenize=False)
-    outs = engine.llm().generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                 use_tqdm=False)
-    return [len(c.token_ids) for o in outs for c in o.outputs]
+    """Response lengths (EOS included) of one vLLM ``generate`` call over all ``prompts``, as a searcher calls
+    it; forced lengths (``min_new`` > 0) through the protocol's ``min_new_tokens`` (vLLM's ``min_tokens``)."""
+    gens = engine.generate(prompts, n, max_new, temperature, min_new_tokens=min_new)
+    return [len(g.response_ids) for group in gens for g in group]
 
 
 # -- c. trainer --------------------------------------------------------------------------------------

@@ -216,6 +216,19 @@ def test_seed(engine, prompts):
     assert ids[0][1:] != ids[1][:-1] and ids[0] != ids[1]
 
 
+def test_both_engines_take_the_protocols_arguments():
+    """Every argument of ``Engine.generate`` (``min_new_tokens`` included, which benchmarks force lengths
+    with) is taken by both engines with the same default, so a caller never has to know which it holds."""
+    import inspect
+
+    from tba.engines.hf import HFEngine
+
+    want = {n: p.default for n, p in inspect.signature(Engine.generate).parameters.items()}
+    for cls in (HFEngine, VLLMEngine):
+        have = {n: p.default for n, p in inspect.signature(cls.generate).parameters.items()}
+        assert {n: have.get(n, "missing") for n in want} == want, cls.__name__
+
+
 def _non_daemon_threads() -> set[int]:
     return {t.ident for t in threading.enumerate() if not t.daemon}
 

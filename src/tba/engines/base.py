@@ -35,7 +35,7 @@ class Engine(Protocol):
     """
 
     def generate(self, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float = 1.0,
-                 *, greedy: bool = False, seed: int | None = None) -> list[list[Generation]]:
+                 *, greedy: bool = False, seed: int | None = None, min_new_tokens: int = 0) -> list[list[Generation]]:
         """Sample ``num_samples`` responses per prompt.
 
         Args:
@@ -46,6 +46,9 @@ class Engine(Protocol):
             greedy: argmax decoding (evals).
             seed: makes the call's sampling reproducible on the same engine and weights; None = the engine's
                 own stream.
+            min_new_tokens: EOS cannot be drawn before this many tokens (benchmarks force response lengths
+                with it). The draws then come from a distribution with EOS masked, not the policy's, so
+                searchers and evals leave it at 0.
 
         Returns:
             ``out[i][j]``: response j of prompt i.

@@ -129,7 +129,7 @@ class VLLMEngine:
             log.warning("vLLM engine: torch uses %d threads, %d asked for", torch.get_num_threads(), threads)
 
     def generate(self, prompts: list[list[int]], num_samples: int, max_new_tokens: int, temperature: float = 1.0,
-                 *, greedy: bool = False, seed: int | None = None) -> list[list[Generation]]:
+                 *, greedy: bool = False, seed: int | None = None, min_new_tokens: int = 0) -> list[list[Generation]]:
         """Sample ``num_samples`` responses per prompt (all prompts in one vLLM batch).
 
         Each token is drawn from softmax(logits / temperature) and its log-prob under that distribution is
@@ -149,6 +149,7 @@ class VLLMEngine:
             temperature: sampling temperature (> 0).
             greedy: argmax decoding (evals); the ``num_samples`` responses of a prompt are then equal.
             seed: makes the call reproducible on the same engine and weights; None: vLLM's own stream.
+            min_new_tokens: vLLM's ``min_tokens``: no EOS before this many tokens (benchmarks only).
 
         Returns:
             ``out[i][j]``: response j of prompt i; ``response_ids`` end with the EOS id when ``finished``,
@@ -169,7 +170,7 @@ class VLLMEngine:
         n = 1 if greedy else num_samples  # vLLM rejects n > 1 with greedy decoding; the copies are identical
         params = [SamplingParams(n=n, temperature=0.0 if greedy else float(temperature), top_p=1.0, top_k=0,
                                  min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0,
-                                 max_tokens=max_new_tokens, logprobs=0, detokenize=False,
+                                 max_tokens=max_new_tokens, min_tokens=min_new_tokens, logprobs=0, detokenize=False,
                                  seed=None if seed is None else rng.getrandbits(62))
                   for _ in prompts]
         outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
@@ -279,8 +280,7 @@ class VLLMEngine:
             torch._C.set_num_threads(self._threads)
 
     def llm(self) -> LLM:
-        """The live vLLM ``LLM`` (also for sampling options the Engine protocol does not carry, such as the
-        throughput benchmark's ``min_tokens``). Raises RuntimeError once :meth:`close` was called."""
+        """The live vLLM ``LLM``. Raises RuntimeError once :meth:`close` was called."""
         if self._llm is None:
             raise RuntimeError("the vLLM engine is closed")
         return self._llm
