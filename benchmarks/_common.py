@@ -118,6 +118,40 @@ def setup_id(config: str, steps: int, eval_size: int, extra: dict) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
+def add_study_options(p, out: str) -> None:
+    """The options every resumable study takes: ``--set``, ``--out`` (default ``out``), ``--resume`` and
+    ``--report-only``."""
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every cell, repeatable (e.g. model.num_hidden_layers=2)")
+    p.add_argument("--out", default=out, help="results folder")
+    p.add_argument("--resume", action="store_true", help="continue <out>/results.jsonl, skipping finished cells")
+    p.add_argument("--report-only", action="store_true", help="only rebuild table.md and the PNG")
+
+
+def start_study(args, defaults: dict[str, Any]):
+    """The shared start of a resumable study's ``run_study``.
+
+    Returns:
+        ``(extra, base_cfg, out, previous)``: the overrides of every cell (``defaults`` updated with ``--set``),
+        the base config they give (loaded, so a bad ``--set`` fails before any model loads), the results
+        folder (created) and its earlier records.
+
+    Raises:
+        FileExistsError: the folder has records and ``--resume`` was not given (one line for ``study_main``).
+    """
+    from tba.config import load_config
+
+    extra = {**defaults, **parse_sets(args.set)}
+    base_cfg = load_config(args.config, extra)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    previous = read_results(out / "results.jsonl")
+    if previous and not args.resume:
+        raise FileExistsError(f"{out / 'results.jsonl'} already has {len(previous)} records; add --resume to "
+                              "continue it or choose another --out")
+    return extra, base_cfg, out, previous
+
+
 def _raise_interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -143,6 +177,6 @@ def study_main(args, run_study: Callable[[Any], int], report: Callable[[Path], s
 
     try:
         return run_study(args)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, FileExistsError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -63,7 +63,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, also when loaded by path
-from _common import append_result, error_line, parse_sets, pyplot, read_results, save_figure, setup_id, study_main
+from _common import (
+    add_study_options,
+    append_result,
+    error_line,
+    pyplot,
+    read_results,
+    save_figure,
+    setup_id,
+    start_study,
+    study_main,
+)
 from _stats import mean_ci, paired_difference_ci
 
 #: arm name -> (loss.name, the arm's own overrides)
@@ -310,20 +320,10 @@ def run_cell(args, rec: dict, overrides: dict, out: Path) -> dict:
 
 def run_study(args) -> int:
     """Run every planned cell not yet in ``results.jsonl`` (with ``--resume``), then write the report."""
-    from tba.config import load_config
-
-    extra = {**BENCH_DEFAULTS, **parse_sets(args.set)}
-    base_cfg = load_config(args.config, extra)  # validates --set before any model loads
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    extra, base_cfg, out, previous = start_study(args, BENCH_DEFAULTS)
     steps = args.steps or base_cfg.trainer.max_steps
     setup = setup_id(args.config, steps, 0, extra)
     cells = plan_cells(args.seeds, args.arms, args.settings, args.knob_arms)
-    previous = read_results(out / "results.jsonl")
-    if previous and not args.resume:
-        print(f"error: {out / 'results.jsonl'} already has {len(previous)} records; add --resume to continue it "
-              "or choose another --out", file=sys.stderr)
-        return 2
     done = {k[:3] for k in latest_by_cell(previous) if k[3] == setup}
     print(f"known-optimum study: {len(cells)} cells ({len(done)} done), {steps} steps each, setup {setup}",
           flush=True)
@@ -359,11 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--knob-arms", nargs="*", default=list(KNOB_ARMS), choices=list(ARMS),
                    help=f"TB knob arms, run at {' and '.join(KNOB_SETTINGS)} only (none: the flag alone)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="settings")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for every cell, repeatable")
-    p.add_argument("--out", default="benchmarks/results/known_optimum", help="results folder")
-    p.add_argument("--resume", action="store_true", help="continue <out>/results.jsonl, skipping finished cells")
-    p.add_argument("--report-only", action="store_true", help="only rebuild table.md and the PNG")
+    add_study_options(p, "benchmarks/results/known_optimum")
     return p
 
 

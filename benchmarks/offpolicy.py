@@ -63,7 +63,17 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, also when loaded by path
-from _common import append_result, error_line, parse_sets, pyplot, read_results, save_figure, setup_id, study_main
+from _common import (
+    add_study_options,
+    append_result,
+    error_line,
+    pyplot,
+    read_results,
+    save_figure,
+    setup_id,
+    start_study,
+    study_main,
+)
 from _stats import mean_ci, paired_difference_ci
 
 #: arm name -> (loss.name, the arm's own config overrides)
@@ -339,23 +349,13 @@ def run_cell(args, c: dict, rec: dict, overrides: dict, results_path: Path) -> d
 
 def run_study(args) -> int:
     """Run every planned cell not yet in ``results.jsonl`` (with ``--resume``), then write the report."""
-    from tba.config import load_config
-
-    extra = {**BENCH_DEFAULTS, **parse_sets(args.set)}
-    base_cfg = load_config(args.config, extra)  # validates --set before any model loads
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    extra, base_cfg, out, previous = start_study(args, BENCH_DEFAULTS)
     results_path = out / "results.jsonl"
     steps = args.steps or base_cfg.trainer.max_steps
     eval_size = args.eval_size or base_cfg.task.eval_size
     setup = setup_id(args.config, steps, eval_size, extra)
     cells = plan_cells(args.seeds, args.arms, args.lags, args.mechanism_arms,
                        SYNC_CELL_K if args.sync_cell else None)
-    previous = read_results(results_path)
-    if previous and not args.resume:
-        print(f"error: {results_path} already has {len(previous)} records; add --resume to continue it "
-              "or choose another --out", file=sys.stderr)
-        return 2
     done = {k for k in latest_by_cell(previous) if k[-1] == setup}
     base_done = any(r.get("base_measured") and r.get("setup") == setup for r in previous)
     print(f"off-policy study: {len(cells)} cells ({len(done)} done), {steps} steps each, eval {eval_size} problems, "
@@ -400,11 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-cell", action=argparse.BooleanOptionalAction, default=True,
                    help=f"also run the main arms at sync period k = {SYNC_CELL_K}, lag 0")
     p.add_argument("--eval-size", type=int, default=None, help="held-out eval problems; default: the config's")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for every cell, repeatable (e.g. model.num_hidden_layers=2)")
-    p.add_argument("--out", default="benchmarks/results/offpolicy", help="results folder")
-    p.add_argument("--resume", action="store_true", help="continue <out>/results.jsonl, skipping finished cells")
-    p.add_argument("--report-only", action="store_true", help="only rebuild table.md and the PNG")
+    add_study_options(p, "benchmarks/results/offpolicy")
     return p
 
 
