@@ -117,3 +117,12 @@ def test_bad_input_one_clear_line(case, tmp_path, capsys, model_path):
     assert text in err, err
     assert "Traceback" not in err
     assert not (tmp_path / "run").exists()  # nothing was started
+
+
+def test_output_dir_that_cannot_be_created_is_one_line(tmp_path, capsys, model_path):
+    """An output directory under a regular file: one line naming run.output_dir, not '[Errno 20] ...'."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc = main(["train", "--task.train_size", "2", "--task.eval_size", "1", f"run.output_dir={blocker}/x"])
+    assert rc == 1
+    assert capsys.readouterr().err.strip() == f"error: run.output_dir '{blocker}/x' cannot be created: Not a directory"

@@ -128,20 +128,25 @@ def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True)
         ModelLoadError, DataError, FileNotFoundError, ValueError: bad model/data, before Ray starts.
         TooManySkippedSteps: too many non-finite steps in a row (after saving a checkpoint).
     """
-    from tba.logger import MetricsLogger, RunStatus
+    from tba.logger import LIBRARY_LOG, MetricsLogger, RunStatus, route_library_file
 
     t_start = time.monotonic()
     task, policy_path, ref_path, run_dir, resume_step = _prepare(cfg, resume_dir)
+    library_log = route_library_file(run_dir, "driver")  # the actors append to the same file
     # a resumed run drops the records a killed run wrote after its checkpoint: those steps are run again
     logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.wandb_project, cfg.model_dump(),
                            keep_through=resume_step)
     status = RunStatus(run_dir)
     print(f"run directory: {run_dir}", flush=True)
-    summary: dict = {"run_dir": str(run_dir), "task": task.name, "mode": cfg.run.mode, "loss": cfg.loss.name}
+    summary: dict = {"run_dir": str(run_dir), "task": task.name, "mode": cfg.run.mode, "loss": cfg.loss.name,
+                     "library_log": str(run_dir / LIBRARY_LOG)}
     try:
         state, stats = _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summary, show_progress)
     finally:
         logger.close()
+        if library_log is not None:
+            logging.getLogger().removeHandler(library_log)
+            library_log.close()
     summary.update({
         "trainer_steps": state.step,
         "samples_generated": int(stats["buffer/samples_added"]),
@@ -189,8 +194,14 @@ def _prepare(cfg, resume_dir: str | None):
         run_dir = Path(resume_dir)
     else:
         run_dir = Path(cfg.run.output_dir.format(task=task.name.replace(":", "-"), time=time.strftime("%Y%m%d-%H%M%S")))
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(_dump_yaml(cfg.model_dump()))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. a path under a regular file: one line naming the field, not "[Errno 20] ..."
+        raise OSError(f"run.output_dir '{run_dir}' cannot be created: {e.strerror or e}") from None
+    try:
+        (run_dir / "config.yaml").write_text(_dump_yaml(cfg.model_dump()))
+    except OSError as e:
+        raise OSError(f"run.output_dir '{run_dir}' is not writable: {e.strerror or e}") from None
     return task, policy_path, ref_path, run_dir, resume_step
 
 
@@ -292,7 +303,8 @@ def print_summary(s: dict) -> None:
         f"staleness (trainer step - policy version): mean {s['staleness_mean']:.2f}, max {s['staleness_max']:.0f}",
         f"searchers: newest policy version received {s['searcher_max_version']}, restarts {s['searcher_restarts']}, "
         f"reward failures {s['reward_failures']}",
-        f"run directory: {s['run_dir']}",
+        f"run directory: {s['run_dir']}" + (f" (library logs: {Path(s['library_log']).name}, each warning shown "
+                                            "above once)" if Path(s.get("library_log", "")).is_file() else ""),
     ]
     print("\n".join(lines), flush=True)
 
@@ -311,7 +323,17 @@ def main(argv: list[str] | None = None) -> int:
     if command != "train":
         print(f"error: unknown command '{command}'; use 'tba train'", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from tba.logger import remove_routes, route_console
+
+    route_console()  # tba's lines, and each distinct library warning once; library logs go to the run dir
+    try:
+        return _train(rest)
+    finally:
+        remove_routes()
+
+
+def _train(rest: list[str]) -> int:
+    """``tba train REST``: runs and prints the summary, or prints one error line; returns the exit code."""
     from tba.models import ModelLoadError
     from tba.runtime.cadence import NoSamples, TooManySkippedSteps
 

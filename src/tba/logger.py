@@ -1,11 +1,188 @@
-"""Metrics to JSONL, TensorBoard (and W&B when asked), plus the learning-curve PNG."""
+"""Metrics to JSONL, TensorBoard (and W&B when asked), the learning-curve PNG, and where log lines go.
+
+Log lines: every process of a run (the driver and each Ray actor) sends its records through the root logger
+to two handlers. The console handler (stderr; Ray forwards an actor's stderr to the driver's terminal)
+shows tba's own records, and a library's (vLLM, Ray, transformers, torch, Python warnings) only at WARNING
+and above and only the first time that logger emits that message (:class:`OncePerMessage`), on one line.
+The file handler appends every library record at INFO and above to ``RUN_DIR/third_party.log``
+(:data:`LIBRARY_LOG`), each tagged with the process's role and pid.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import sys
+import threading
 import time
 from pathlib import Path
+
+#: the file in the run directory that receives the libraries' log records (every process of the run appends)
+LIBRARY_LOG = "third_party.log"
+_CONSOLE_FORMAT = "%(levelname)s %(name)s: %(message)s"
+# a %-style placeholder: a message template made only of these (``log.warning("%s", text)``) is keyed by its text
+_PLACEHOLDER = re.compile(r"%(\([^)]*\))?[-#0 +]*(\d+|\*)?(\.(\d+|\*))?[diouxXeEfFgGcrsa%]")
+
+
+def _is_tba(record: logging.LogRecord) -> bool:
+    return record.name == "tba" or record.name.startswith("tba.")
+
+
+def message_key(record: logging.LogRecord) -> tuple[str, str]:
+    """What makes two records "the same message": the logger and the message template before its arguments
+    (vLLM's "Attempted to load weight %s ..." is one message for every weight), or the text itself when the
+    template is only placeholders (``log.warning("%s", text)``, as some libraries write)."""
+    template = record.msg if isinstance(record.msg, str) else str(record.msg)
+    if not (record.args and _PLACEHOLDER.sub("", template).strip()):
+        template = record.getMessage()
+    return record.name, template
+
+
+class LibraryRecords(logging.Filter):
+    """Passes the records of libraries: every logger outside ``tba``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _is_tba(record)
+
+
+class OncePerMessage(logging.Filter):
+    """The console's filter: tba's records pass; a library's record passes only at WARNING and above, and
+    only the first time its :func:`message_key` is seen by this filter (so once per process)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if _is_tba(record):
+            return True
+        if record.levelno < logging.WARNING:
+            return False
+        key = message_key(record)
+        with self._lock:
+            if key in self.seen:
+                return False
+            self.seen.add(key)
+        return True
+
+
+class _TrimmedFormatter(logging.Formatter):
+    """A formatter that drops trailing blank space (Python's warnings end their text with a newline)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).rstrip()
+
+
+class ConsoleFormatter(_TrimmedFormatter):
+    """``LEVEL logger: message``; a library's record is cut to its first line (the whole of it, traceback
+    included, is in :data:`LIBRARY_LOG`)."""
+
+    def __init__(self):
+        super().__init__(_CONSOLE_FORMAT)
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        if _is_tba(record) or "\n" not in text:
+            return text
+        return text.split("\n", 1)[0] + " [...]"
+
+
+def release_library_loggers() -> None:
+    """Make the libraries that print through a console handler of their own send their records up to the
+    root logger (and so to the handlers of :func:`route_console` and :func:`route_library_file`) instead:
+    Ray (its ``ray`` logger, set up again by ``import ray``), transformers (its default handler; only once
+    imported, as importing it takes seconds) and vLLM (which then configures no logging when imported;
+    ``VLLM_CONFIGURE_LOGGING=1`` set by the user keeps vLLM's own). Idempotent: call it again after importing
+    Ray or transformers."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    ray_logger = logging.getLogger("ray")
+    for handler in list(ray_logger.handlers):
+        ray_logger.removeHandler(handler)
+    ray_logger.propagate = True
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()
+
+
+def route_console(stream=None) -> logging.Handler:
+    """Send this process's log records to the console as the module docstring says: tba's records at WARNING
+    and above, each distinct library warning once. Also routes Python warnings through logging, releases the
+    libraries' loggers (:func:`release_library_loggers`) and sets the root level to INFO, so the libraries'
+    INFO records reach :func:`route_library_file`'s file. A console handler installed before is kept (with
+    the warnings it has seen) unless ``stream`` names another stream.
+
+    Args:
+        stream: where the lines go; None: ``sys.stderr`` as it is now.
+
+    Returns:
+        the handler (see :func:`remove_routes`).
+    """
+    root = logging.getLogger()
+    release_library_loggers()
+    logging.captureWarnings(True)
+    stream = stream if stream is not None else sys.stderr
+    handler = next((h for h in root.handlers if getattr(h, "_tba_route", None) == "console"), None)
+    if handler is not None and handler.stream is stream:
+        return handler
+    level = handler._tba_root_level if handler is not None else root.level
+    _remove(root, "console")
+    root.setLevel(logging.INFO)
+    handler = logging.StreamHandler(stream)
+    handler._tba_root_level = level  # restored by remove_routes
+    handler.setLevel(logging.WARNING)
+    handler.addFilter(OncePerMessage())
+    handler.setFormatter(ConsoleFormatter())
+    handler._tba_route = "console"
+    root.addHandler(handler)
+    return handler
+
+
+def route_library_file(run_dir: str | Path, role: str) -> logging.Handler | None:
+    """Append this process's library records (INFO and above, as far as the loggers' levels let them
+    through) to ``run_dir/third_party.log``, each line tagged with ``role`` (e.g. 'driver', 'searcher 0')
+    and the pid. Replaces a file handler installed before.
+
+    Returns:
+        the handler, or None when ``run_dir`` does not exist here (a cluster node that cannot reach the
+        run directory: its library records then reach only the console).
+    """
+    root = logging.getLogger()
+    _remove(root, "file")
+    release_library_loggers()
+    try:
+        handler = logging.FileHandler(Path(run_dir) / LIBRARY_LOG, encoding="utf-8")
+    except OSError:
+        return None
+    handler.setLevel(logging.INFO)
+    handler.addFilter(LibraryRecords())
+    handler.setFormatter(_TrimmedFormatter(f"%(asctime)s %(levelname)s [{role} pid %(process)d] %(name)s: "
+                                           "%(message)s"))
+    handler._tba_route = "file"
+    root.addHandler(handler)
+    return handler
+
+
+def remove_routes() -> None:
+    """Remove (and close) the handlers :func:`route_console` and :func:`route_library_file` installed, give
+    the root logger back the level it had, and stop routing Python warnings through logging."""
+    root = logging.getLogger()
+    console = next((h for h in root.handlers if getattr(h, "_tba_route", None) == "console"), None)
+    if console is not None:
+        root.setLevel(console._tba_root_level)
+    _remove(root, "console")
+    _remove(root, "file")
+    logging.captureWarnings(False)
+
+
+def _remove(logger: logging.Logger, route: str) -> None:
+    for handler in [h for h in logger.handlers if getattr(h, "_tba_route", None) == route]:
+        logger.removeHandler(handler)
+        handler.close()
 
 
 class MetricsLogger:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
 import tempfile
@@ -155,7 +156,8 @@ def load_causal_lm(path: str, dtype: torch.dtype, num_hidden_layers: int | None 
 
     Args:
         num_hidden_layers: keep only the first N layers (a fast variant with the real tokenizer and
-            embeddings, for tests).
+            embeddings, for tests). transformers' warnings of that load are dropped: they report the
+            weights of the layers left out as unexpected and the missing layers as not sharded, as designed.
 
     Raises:
         ModelLoadError: the weights cannot be loaded.
@@ -163,10 +165,16 @@ def load_causal_lm(path: str, dtype: torch.dtype, num_hidden_layers: int | None 
     from transformers import AutoModelForCausalLM
 
     kwargs = {"num_hidden_layers": num_hidden_layers} if num_hidden_layers else {}
+    report = logging.getLogger("transformers")
+    level = report.level
+    if num_hidden_layers:
+        report.setLevel(logging.ERROR)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     except OSError as e:
         raise ModelLoadError(f"model '{path}': cannot load ({e})") from None
+    finally:
+        report.setLevel(level)
     return model.eval()
 
 

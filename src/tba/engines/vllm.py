@@ -48,7 +48,9 @@ class VLLMEngine:
       (:meth:`load_weights`) instead of through a file;
     - ``enforce_eager=True``: on CPU torch.compile adds far more start-up than it saves in a short run;
     - prefix caching on: the K samples of a prompt, and a prompt seen again, reuse its KV blocks (the CPU
-      backend uses 128-token blocks; only full blocks are cached). :meth:`load_weights` resets that cache.
+      backend uses 128-token blocks; only full blocks are cached). :meth:`load_weights` resets that cache;
+    - no progress bar while the weights load (``use_tqdm_on_load=False``); vLLM's log records go where the
+      process's logging sends them (:mod:`tba.logger`, in a run: the run's ``third_party.log``).
 
     Threads (CPU): vLLM's thread binding (``VLLM_CPU_OMP_THREADS_BIND``, default "auto": all cores of a
     NUMA node, less one reserved) is applied only by its multi-process executor, to the worker process it
@@ -106,7 +108,7 @@ class VLLMEngine:
         self.last_swap_s: float | None = None  # seconds the latest load_weights took (measurements)
         kwargs = dict(model=self.model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                       max_num_seqs=max_num_seqs, enforce_eager=True, enable_prefix_caching=True,
-                      logprobs_mode="processed_logprobs")
+                      logprobs_mode="processed_logprobs", use_tqdm_on_load=False)
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": None}
         if device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)

@@ -23,9 +23,15 @@ class BufferActor:
 
     Args:
         cfg: the run config as a dict (``buffer`` section and ``run.seed``).
+        run_dir: the run directory, for the third-party log (:func:`tba.logger.route_library_file`).
     """
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, run_dir: str | None = None):
+        from tba.logger import route_console, route_library_file
+
+        route_console()
+        if run_dir is not None:
+            route_library_file(run_dir, "buffer")
         c = Config.model_validate(cfg)
         self.buffer = ReplayBuffer(c.buffer, c.run.seed)
         self.min_fill = c.buffer.min_fill
@@ -76,12 +82,13 @@ class BufferActor:
 
 @ray.remote
 class SearcherActor:
-    """One searcher: generates with the newest weights it has, pushes samples, never waits for training."""
+    """One searcher: generates with the newest weights it has, pushes samples, never waits for training.
+    ``run_dir``: the run directory, for the third-party log (:func:`tba.runtime.build.quiet_libraries`)."""
 
-    def __init__(self, cfg: dict, policy_path: str, ref_path: str, searcher_id: int):
+    def __init__(self, cfg: dict, policy_path: str, ref_path: str, searcher_id: int, run_dir: str | None = None):
         from tba.runtime.build import build_searcher, quiet_libraries
 
-        quiet_libraries()
+        quiet_libraries(run_dir, f"searcher {searcher_id}")
         self.searcher = build_searcher(Config.model_validate(cfg), policy_path, ref_path, searcher_id)
 
     def node_id(self) -> str:
@@ -117,14 +124,15 @@ class SearcherActor:
 
 @ray.remote
 class TrainerActor:
-    """The trainer, and evaluation of its current policy on the task's held-out set."""
+    """The trainer, and evaluation of its current policy on the task's held-out set. ``run_dir``: the run
+    directory, for the third-party log (:func:`tba.runtime.build.quiet_libraries`)."""
 
-    def __init__(self, cfg: dict, policy_path: str, ref_path: str):
+    def __init__(self, cfg: dict, policy_path: str, ref_path: str, run_dir: str | None = None):
         from tba.runtime.build import build_trainer, generation_dtype, quiet_libraries
         from tba.runtime.evaluation import PolicyEvaluator
         from tba.tasks import build_task
 
-        quiet_libraries()
+        quiet_libraries(run_dir, "trainer")
         self.cfg = Config.model_validate(cfg)
         self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path, ref_path)
         self.task = build_task(self.cfg)

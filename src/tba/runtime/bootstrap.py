@@ -8,9 +8,10 @@ import os
 import ray
 
 from tba.config import Config
+from tba.logger import release_library_loggers
 
 # MALLOC_ARENA_MAX: glibc's per-thread arenas otherwise inflate each worker's RSS by GBs of freed memory
-WORKER_ENV = {"TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false", "MALLOC_ARENA_MAX": "2"}
+WORKER_ENV = {"TOKENIZERS_PARALLELISM": "false", "MALLOC_ARENA_MAX": "2"}
 
 
 def loopback_only() -> None:
@@ -30,7 +31,9 @@ def init_ray(cfg: Config) -> None:
     """Join ``run.ray_address``, or start a private local instance that listens on loopback only.
 
     The local instance gets at least enough CPUs for the trainer and every searcher (``threads`` each).
+    Ray's driver-side log records go through the root logger (:func:`tba.logger.release_library_loggers`).
     """
+    release_library_loggers()  # `import ray` gave the ray logger a console handler of its own
     env = {"env_vars": WORKER_ENV}
     address = cfg.run.ray_address
     if address:

@@ -6,8 +6,6 @@ take their config section directly, so every default is declared once, in :mod:`
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from tba.config import Config
@@ -20,12 +18,22 @@ from tba.tasks import build_task
 from tba.trainer import Trainer
 
 
-def quiet_libraries() -> None:
-    """Silence transformers' per-call warnings in worker processes (they drown the progress bar)."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers.utils import logging as hf_logging
+def quiet_libraries(run_dir: str | None = None, role: str = "worker") -> None:
+    """Route a worker process's log lines (:mod:`tba.logger`): tba's to the console, each distinct library
+    warning once, and every library record to ``run_dir``'s third-party log; no library progress bars.
 
-    hf_logging.set_verbosity_error()
+    Args:
+        run_dir: the run directory; None (or one this node cannot reach): library records reach the console
+            (once per distinct warning) only.
+        role: the tag of this process's lines in the file, e.g. 'trainer' or 'searcher 0'.
+    """
+    from transformers.utils import logging as hf_logging  # imported first: routing releases its handler
+
+    from tba.logger import route_console, route_library_file
+
+    route_console()
+    if run_dir is not None:
+        route_library_file(run_dir, role)
     hf_logging.disable_progress_bar()
 
 

@@ -43,7 +43,8 @@ class RayRuntime:
         cfg: the validated config.
         policy_path, ref_path: prepared model paths (see :func:`tba.models.prepare_model`).
         run_dir: where checkpoints go (the trainer actor writes its tensors there directly, so on a
-            cluster it must be storage the trainer's node can reach).
+            cluster it must be storage the trainer's node can reach), and where every actor that can reach
+            it appends its libraries' log records (``third_party.log``, :mod:`tba.logger`).
         on_metrics: called as ``on_metrics(step, metrics)`` after every trainer step and mid-run eval.
         on_phase: called as ``on_phase(phase, step)`` when the run enters a phase: ``fill`` (waiting for
             ``buffer.min_fill``), ``step`` (a trainer step is in flight), ``publish``, ``eval``,
@@ -83,14 +84,15 @@ class RayRuntime:
     def _start_actors(self) -> None:
         c = self.cfg
         cfg_dict = c.model_dump()
-        self.buffer = BufferActor.options(num_cpus=0).remote(cfg_dict)
+        run_dir = str(self.run_dir)  # each actor appends its libraries' log records to run_dir/third_party.log
+        self.buffer = BufferActor.options(num_cpus=0).remote(cfg_dict, run_dir)
         self.trainer = TrainerActor.options(num_cpus=c.trainer.threads, num_gpus=c.trainer.num_gpus).remote(
-            cfg_dict, self.policy_path, self.ref_path)
+            cfg_dict, self.policy_path, self.ref_path, run_dir)
 
         def new_searcher(i: int):
             return SearcherActor.options(num_cpus=c.searcher.threads, num_gpus=c.searcher.num_gpus,
                                          scheduling_strategy="SPREAD", max_concurrency=2).remote(
-                cfg_dict, self.policy_path, self.ref_path, i)
+                cfg_dict, self.policy_path, self.ref_path, i, run_dir)
 
         self.actors = [self.buffer, self.trainer]
         self.searchers = SearcherSupervisor(new_searcher, c.searcher.num_searchers, self.buffer)
