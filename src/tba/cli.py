@@ -28,36 +28,49 @@ class _TrainParser(argparse.ArgumentParser):
         return super().format_help()
 
 
-def _type_name(ann) -> str:
-    """``Optional[int]`` -> ``int|null``, ``Literal['a', 'b']`` -> ``a|b``, ``list[str]`` -> ``list[str]``."""
+def type_name(ann) -> str:
+    """``Optional[int]`` -> ``int|null``, ``Literal['a', 'b']`` -> ``a|b``, ``list[str]`` -> ``list[str]``: a
+    field's type as ``tba train --help`` and the configuration reference (docs/hooks.py) print it."""
     origin, args = typing.get_origin(ann), typing.get_args(ann)
     if origin is typing.Literal:
         return "|".join(map(str, args))
     if origin in (typing.Union, types.UnionType):
-        return "|".join("null" if a is type(None) else _type_name(a) for a in args)
+        return "|".join("null" if a is type(None) else type_name(a) for a in args)
     if origin is not None:
-        return f"{origin.__name__}[{', '.join(map(_type_name, args))}]"
+        return f"{origin.__name__}[{', '.join(map(type_name, args))}]"
     return getattr(ann, "__name__", str(ann))
+
+
+def task_option_fields() -> dict[str, tuple[str | None, dict]]:
+    """Every task's ``task.options`` by ``task.name``: ``(note, fields)``, with ``fields`` the pydantic fields of
+    its ``Options`` model and ``note`` what to print instead when it has none (the free dict's docstring, or
+    'none'), else None. The one source of the options part of ``tba train --help`` and of the reference."""
+    from tba.tasks import task_classes
+
+    out = {}
+    for name, cls in task_classes().items():
+        fields = cls.Options.model_fields
+        note = None
+        if not fields:  # none, or a free dict (reasoning-gym: the dataset's own settings)
+            free = cls.Options.model_config.get("extra") == "allow"
+            note = " ".join((cls.Options.__doc__ or "").split()) if free else "none"
+        out[name] = (note, fields)
+    return out
 
 
 def task_options_help(width: int = 100) -> str:
     """The ``task.options`` of every task, a section per task: ``name: type``, description and default, laid
     out as argparse lays out the config fields above them."""
-    from tba.tasks import task_classes
-
     width = max(width, 60)
     lines = textwrap.wrap("task options: set as task.options.NAME=VALUE (YAML: task: {options: {NAME: VALUE}}); "
                           "each task takes its own, checked before anything starts.", width)
     wrap = textwrap.TextWrapper(width=width, initial_indent=" " * 24, subsequent_indent=" " * 24)
-    for name, cls in task_classes().items():
-        fields = cls.Options.model_fields
+    for name, (note, fields) in task_option_fields().items():
         lines += ["", f"task.options of {name}:"]
-        if not fields:  # none, or a free dict (reasoning-gym: the dataset's own settings)
-            free = cls.Options.model_config.get("extra") == "allow"
-            text = " ".join((cls.Options.__doc__ or "").split()) if free else "none"
-            lines += textwrap.wrap(text, width, initial_indent="  ", subsequent_indent="  ")
+        if note is not None:
+            lines += textwrap.wrap(note, width, initial_indent="  ", subsequent_indent="  ")
         for field, info in fields.items():
-            left = f"  {field}: {_type_name(info.annotation)}"
+            left = f"  {field}: {type_name(info.annotation)}"
             body = wrap.wrap(f"{info.description or ''} [default: {info.get_default(call_default_factory=True)!r}]")
             lines += [left, *body] if len(left) > 22 else [left.ljust(24) + body[0][24:], *body[1:]]
     return "\n".join(lines)

