@@ -8,7 +8,7 @@ on-policy estimators without importance weights should not?
 Design
 ------
 Every cell trains the task's tiny model from the same config for the same number of steps, through the
-real runtime (``tba.cli.run_train``: Ray, searcher, buffer, trainer), and differs only in its arm
+real runtime (``tba.train``: Ray, searcher, buffer, trainer), and differs only in its arm
 (objective and its settings) and its setting:
 
 - ``L0``, ``L4``, ``L16``, ``L64``: synchronous mode with ``trainer.generation_lag`` L: every step trains on
@@ -289,14 +289,13 @@ def report(out: Path) -> str:
 def run_cell(args, rec: dict, overrides: dict, out: Path) -> dict:
     """Train one cell; append its record (or its error) to ``results.jsonl`` and its curve to ``curves/``.
     KeyboardInterrupt passes through."""
-    from tba.cli import run_train
-    from tba.config import load_config
+    from tba import train
 
     run_dir = Path(rec["run_dir"])
     rec["load_before"] = os.getloadavg()[0]
     t0 = time.monotonic()
     try:
-        s = run_train(load_config(args.config, overrides), show_progress=False)
+        s = train(args.config, overrides=overrides, show_progress=False)
     except Exception as e:  # noqa: BLE001 - record the failure, go on with the other cells
         rec["error"] = error_line(e, -1)
         print(f"  cell failed: {rec['error']}", file=sys.stderr, flush=True)

@@ -321,12 +321,11 @@ def report(out: Path, low: int, high: int) -> str:
 def run_cell(args, c: dict, rec: dict, overrides: dict, results_path: Path) -> dict:
     """Train one cell, append its record (or its error) to ``results_path`` and return it.
     KeyboardInterrupt passes through."""
-    from tba.cli import run_train
-    from tba.config import load_config
+    from tba import train
 
     t0 = time.monotonic()
     try:
-        s = run_train(load_config(args.config, overrides), show_progress=False)
+        s = train(args.config, overrides=overrides, show_progress=False)
     except Exception as e:  # noqa: BLE001 - record the failure, go on with the other cells
         rec["error"] = error_line(e, -1)
         print(f"  cell failed: {rec['error']}", file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ trainer steps, through the same searchers, replay buffer and trainer; cells diff
 For each cell and seed (``run.seed``; the prompts, ``task.seed``, stay those of the config, so every cell
 sees the same training and eval problems) it records the final greedy eval accuracy and its stderr, the
 base (pre-training) accuracy, the mean and max staleness of the trained samples (trainer step minus the
-policy version that generated them; ``run_train``'s ``staleness_mean``/``staleness_max``) and the training
+policy version that generated them; ``tba.train``'s ``staleness_mean``/``staleness_max``) and the training
 wall time. Each record is appended to ``<out>/results.jsonl`` as soon as its cell finishes, so an
 interrupted study keeps its data and ``--resume-results`` continues it. The base accuracy is measured once
 per seed (``run.eval_before`` only for that seed's first cell) and reused for the others: greedy decoding of
@@ -264,7 +264,7 @@ def cell_overrides(extra: dict, c: dict, steps: int, eval_size: int, run_dir: Pa
 
 
 def cell_outcome(s: dict, base: float | None, measure_base: bool) -> dict:
-    """The result fields of a finished cell, from ``run_train``'s summary ``s``."""
+    """The result fields of a finished cell, from ``tba.train``'s summary ``s``."""
     after = s.get("eval_after", {})
     return {
         "accuracy": after.get("accuracy"), "stderr": after.get("stderr"), "n_eval": after.get("n"),
@@ -279,11 +279,10 @@ def run_cell(args, c: dict, rec: dict, overrides: dict, results_path: Path, base
              measure_base: bool) -> None:
     """Train one cell and append its record (or its error) to ``results_path``; ``base_by_seed`` gets the
     seed's base accuracy if this cell measured it. KeyboardInterrupt passes through."""
-    from tba.cli import run_train
-    from tba.config import load_config
+    from tba import train
 
     try:
-        s = run_train(load_config(args.config, overrides), show_progress=False)
+        s = train(args.config, overrides=overrides, show_progress=False)
     except Exception as e:  # noqa: BLE001 - record the failure, keep going with the other cells
         err = error_line(e, -1)
         print(f"  cell failed: {err}", file=sys.stderr, flush=True)

@@ -65,8 +65,8 @@ CASES = [
     # (id, argv builder, expected exit code, text that must appear in the one-line error)
     ("missing config file", lambda t: [str(t / "nope.yaml")], 1, "config file not found"),
     ("yaml syntax", lambda t: [_bad_yaml(t)], 2, "not valid YAML"),
-    ("unknown field", lambda t: ["--trainer.lrr", "1"], 2, "unrecognized arguments"),
-    ("unknown dotted field", lambda t: ["trainer.lrr=1"], 2, "unknown config field 'trainer.lrr'"),
+    ("unknown field", lambda t: ["--trainer.lrr", "1"], 2, "unknown field trainer.lrr; did you mean trainer.lr?"),
+    ("unknown dotted field", lambda t: ["trainer.lrr=1"], 2, "unknown field trainer.lrr; did you mean trainer.lr?"),
     ("negative lr", lambda t: ["--trainer.lr", "-1"], 2, "trainer.lr: Input should be greater than 0"),
     ("bad loss name", lambda t: ["--loss.name", "ppo"], 2, "loss.name: Input should be 'tb'"),
     ("m out of range", lambda t: ["buffer.on_policy_prob=2"], 2, "buffer.on_policy_prob"),

@@ -43,7 +43,7 @@ def test_bad_option_is_one_line_before_ray_starts(task, option, line, tmp_path, 
     def no_runtime(*args, **kwargs):  # were an option let through, fail here instead of training
         raise AssertionError("the run got past the task's options")
 
-    monkeypatch.setattr("tba.cli._run", no_runtime)
+    monkeypatch.setattr("tba.api._run", no_runtime)
     rc = main(["train", str(CONFIGS / f"{task}.yaml"), option, "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert rc == 1 and err == f"error: {line}\n", err

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import difflib
 import shutil
 import signal
 import sys
 import textwrap
-import time
 import types
 import typing
 from pathlib import Path
 
-from tba.config import ConfigError, iter_fields, load_config, parse_assignments, parse_value
+from tba.config import (
+    Config,
+    ConfigError,
+    dump_config,
+    field_names,
+    iter_fields,
+    load_config,
+    parse_assignments,
+    parse_value,
+    unknown_field,
+)
 
 SHORTCUTS = {"--max-steps": "trainer.max_steps", "--ray-address": "run.ray_address",
              "--output-dir": "run.output_dir", "--mode": "run.mode", "--seed": "run.seed"}
@@ -24,7 +32,9 @@ class _TrainParser(argparse.ArgumentParser):
     """``tba train``'s parser; its help ends with every task's options (imported only when help is shown)."""
 
     def format_help(self) -> str:
-        self.epilog = task_options_help(shutil.get_terminal_size().columns - 2)
+        width = shutil.get_terminal_size().columns - 2
+        self.description = textwrap.fill(" ".join(self.description.split()), max(width, 60))
+        self.epilog = task_options_help(width)
         return super().format_help()
 
 
@@ -77,222 +87,93 @@ def task_options_help(width: int = 100) -> str:
 
 
 def _train_parser() -> argparse.ArgumentParser:
+    """``tba train``'s argparse parser: one flag per config field, in a group per config section."""
     p = _TrainParser(
         prog="tba train",
+        usage="tba train [CONFIG] [--section.field V | section.field=V ...] [--resume RUN_DIR] [--print-config]",
         description="Post-train a causal LM with TBA: searchers -> replay buffer -> trainer -> weights back. "
         "Every config field can be set in the YAML file or overridden here as --section.field VALUE or "
         "section.field=VALUE (values are parsed as YAML: 1e-5, true, null, [1, 2]).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --trainer.warm is a typo to report, not trainer.warmup_steps
     )
     p.add_argument("config", nargs="?", help="YAML config file (e.g. configs/quickstart.yaml); omitted = defaults")
+    p.add_argument("assignments", nargs="*", help="overrides as section.field=VALUE")
     p.add_argument("--resume", metavar="RUN_DIR", default=None,
                    help="continue RUN_DIR from its checkpoint to trainer.max_steps (its config.yaml + overrides)")
-    p.add_argument("assignments", nargs="*", help="overrides as section.field=VALUE")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (YAML, overrides applied) and exit without starting anything")
+    short = p.add_argument_group("shortcuts")
     for flag, dotted in SHORTCUTS.items():
-        p.add_argument(flag, dest=dotted, default=argparse.SUPPRESS, metavar="V", help=f"same as --{dotted}")
+        short.add_argument(flag, dest=dotted, default=argparse.SUPPRESS, metavar="V", help=f"same as --{dotted}")
+    groups = {}
     for dotted, info in iter_fields():
+        section = dotted.split(".", 1)[0]
+        if section not in groups:
+            doc = Config.model_fields[section].annotation.__doc__
+            groups[section] = p.add_argument_group(section, " ".join((doc or "").split()) or None)
         default = info.get_default(call_default_factory=True)
-        p.add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="V",
-                       help=f"{info.description or ''} [default: {default!r}]")
+        groups[section].add_argument(f"--{dotted}", dest=dotted, default=argparse.SUPPRESS, metavar="V",
+                                     help=f"{info.description or ''} [default: {default!r}]")
     return p
 
 
-def parse_train_args(argv: list[str]) -> tuple[str | None, dict, str | None]:
-    """Split ``tba train`` arguments into the config path, a dict of dotted overrides and the resume dir.
+class TrainArgs(typing.NamedTuple):
+    """``tba train``'s arguments: the config path, the dotted overrides, the run to resume, --print-config."""
+
+    config: str | None
+    overrides: dict
+    resume: str | None
+    print_config: bool
+
+
+def parse_train_args(argv: list[str]) -> TrainArgs:
+    """Split ``tba train`` arguments into the config path, a dict of dotted overrides, the resume dir and
+    whether to only print the config. ``--task.options.KEY V`` is ``task.options.KEY=V``.
 
     Raises:
-        ConfigError: an assignment without '='.
+        ConfigError: an assignment without '=', or a flag that is no config field (the message suggests the
+            closest one: ``unknown field trainer.lrr; did you mean trainer.lr?``).
     """
-    ns = vars(_train_parser().parse_intermixed_args(argv))
+    known = {"-h", "--help", "--resume", "--print-config", *SHORTCUTS, *(f"--{d}" for d in field_names())}
+    ns = vars(_train_parser().parse_intermixed_args(_check_flags(argv, known)))
     config = ns.pop("config")
     assignments = ns.pop("assignments")
     resume = ns.pop("resume")
+    print_config = ns.pop("print_config")
     if config and "=" in config:  # `tba train trainer.lr=1e-5` with no config file
         assignments, config = [config, *assignments], None
     overrides = {**{k: parse_value(v) for k, v in ns.items()}, **parse_assignments(assignments)}
     if resume and config is None:
         config = str(Path(resume) / "config.yaml")
-    return config, overrides, resume
+    return TrainArgs(config, overrides, resume, print_config)
 
 
-def _progress_bar(total: int, loss_key: str):
-    """tqdm bar over trainer steps showing reward, loss, samples/s and staleness; returns its update fn."""
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, desc="train", unit="step", dynamic_ncols=True, mininterval=1.0)
-    t0 = time.monotonic()
-
-    def update(step: int, m: dict) -> None:
-        bar.n = step
-        bar.set_postfix(reward=f"{m.get('train/reward_mean', 0):.3f}", loss=f"{m.get(loss_key, 0):.3g}",
-                        samples_s=f"{m.get('buffer/samples_added', 0) / max(time.monotonic() - t0, 1e-9):.1f}",
-                        stale=f"{m.get('buffer/staleness_mean', 0):.1f}", refresh=True)
-
-    update.close = bar.close
-    return update
-
-
-def run_train(cfg, *, resume_dir: str | None = None, show_progress: bool = True) -> dict:
-    """Run one training job from a validated config; returns the summary (also written to summary.json).
-
-    With ``resume_dir`` the run continues from that directory's checkpoint, appending to its metrics.
+def _check_flags(argv: list[str], known: set[str]) -> list[str]:
+    """``argv`` with every ``--task.options.KEY V`` turned into ``task.options.KEY=V``.
 
     Raises:
-        ModelLoadError, DataError, FileNotFoundError, ValueError: bad model/data, before Ray starts.
-        TooManySkippedSteps: too many non-finite steps in a row (after saving a checkpoint).
+        ConfigError: a ``--flag`` the parser does not know, with the closest known one.
     """
-    from tba.logger import LIBRARY_LOG, MetricsLogger, RunStatus, route_library_file
-
-    t_start = time.monotonic()
-    task, policy_path, ref_path, run_dir, resume_step = _prepare(cfg, resume_dir)
-    library_log = route_library_file(run_dir, "driver")  # the actors append to the same file
-    # a resumed run drops the records a killed run wrote after its checkpoint: those steps are run again
-    logger = MetricsLogger(run_dir, cfg.run.tensorboard, cfg.run.wandb_project, cfg.model_dump(),
-                           keep_through=resume_step)
-    status = RunStatus(run_dir)
-    print(f"run directory: {run_dir}", flush=True)
-    summary: dict = {"run_dir": str(run_dir), "task": task.name, "mode": cfg.run.mode, "loss": cfg.loss.name,
-                     "library_log": str(run_dir / LIBRARY_LOG)}
-    try:
-        state, stats = _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summary, show_progress)
-    finally:
-        logger.close()
-        if library_log is not None:
-            logging.getLogger().removeHandler(library_log)
-            library_log.close()
-    summary.update({
-        "trainer_steps": state.step,
-        "samples_generated": int(stats["buffer/samples_added"]),
-        "searcher_max_version": int(stats["searcher/max_version"]),
-        "searcher_restarts": state.searcher_restarts,
-        "reward_failures": int(stats["searcher/reward_failures_total"]),
-        "staleness_mean": state.staleness_sum / max(1, state.step),
-        "staleness_max": state.staleness_max,
-        "trainer_idle_frac": state.trainer_idle_frac,
-        "wall_s": time.monotonic() - t_start,
-    })
-    _plot(cfg, run_dir, summary)
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    status.set("done", state.step)
-    return summary
-
-
-def _prepare(cfg, resume_dir: str | None):
-    """Everything that can fail on bad input, before Ray starts: the engine's library, the device placement
-    (GPUs asked for where there are none), the task and its data, the models, the prompts' lengths, the
-    checkpoint to resume. Returns (task, policy path, reference path, run dir, the step a resumed run
-    continues from or None)."""
-    from tba.checkpoint import find, resumable_step
-    from tba.models import prepare_model
-    from tba.placement import check_engine, resolve_placement
-    from tba.tasks import build_task
-
-    check_engine(cfg)
-    if not cfg.run.ray_address:  # a cluster's GPUs are known once joined: the driver checks them then
-        import torch
-
-        resolve_placement(cfg, torch.cuda.device_count())
-    resume_step = None
-    if resume_dir:
-        ckpt = find(Path(resume_dir))
-        resume_step = resumable_step(ckpt) if ckpt is not None else 0
-    task = build_task(cfg)  # fails fast on bad data, before any model loads
-    if cfg.model.policy == "task":  # the task builds its own model (known_optimum)
-        policy_path = task.own_model()
-    else:
-        policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
-    ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
-    _check_prompts(task, policy_path, cfg.searcher.max_new_tokens)
-    if resume_dir:
-        run_dir = Path(resume_dir)
-    else:
-        run_dir = Path(cfg.run.output_dir.format(task=task.name.replace(":", "-"), time=time.strftime("%Y%m%d-%H%M%S")))
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # e.g. a path under a regular file: one line naming the field, not "[Errno 20] ..."
-        raise OSError(f"run.output_dir '{run_dir}' cannot be created: {e.strerror or e}") from None
-    try:
-        (run_dir / "config.yaml").write_text(_dump_yaml(cfg.model_dump()))
-    except OSError as e:
-        raise OSError(f"run.output_dir '{run_dir}' is not writable: {e.strerror or e}") from None
-    return task, policy_path, ref_path, run_dir, resume_step
-
-
-def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summary: dict, show_progress: bool):
-    """Start the runtime, resume, evaluate before, train, evaluate after and save; fills ``summary``.
-    Returns (run state, buffer/searcher counters)."""
-    from tba.placement import describe
-    from tba.runtime import RayRuntime
-
-    status.set("starting", 0)
-    with RayRuntime(cfg, policy_path, ref_path, run_dir, on_metrics=logger.log, on_phase=status.set) as rt:
-        # again now that Ray runs: ray.init installs its own SIGTERM handler, which exits at once
-        # (no checkpoint, actors left to the raylet)
-        signal.signal(signal.SIGTERM, _raise_interrupt)
-        print(describe(rt.cfg), flush=True)
-        summary["device"] = rt.cfg.model.device
-        if resume_dir:
-            state = rt.resume()
-            if state is None:
-                print(f"{run_dir} holds no checkpoint yet: starting at step 0", flush=True)
-            else:
-                summary.update(state.extra)
-                print(f"resumed at trainer step {state.step} with {int(rt.stats()['buffer/size'])} samples in the "
-                      "buffer", flush=True)
-        rt.start_searchers()
-        if cfg.run.eval_before and "eval_before" not in summary:
-            summary["eval_before"] = rt.state.extra["eval_before"] = _numbers(rt.evaluate("eval_before"))
-            print(f"eval before training: {_fmt_metrics(summary['eval_before'])}", flush=True)
-        bar = _progress_bar(cfg.trainer.max_steps, f"loss/{cfg.loss.name}") if show_progress else None
-        t_train = time.monotonic()
-        state = rt.train(bar)
-        summary["train_wall_s"] = time.monotonic() - t_train
-        if bar is not None:
-            bar.close()
-        stats = rt.stats()
-        summary["searcher_nodes"] = sorted(set(rt.searcher_nodes()))
-        if cfg.run.eval_after:
-            after = rt.evaluate("eval_after")
-            summary["eval_after"], summary["eval_examples"] = _numbers(after), after.get("examples", [])
-        if cfg.trainer.save_final:
-            summary["final_model"] = rt.save(str(run_dir / "final"))
-    return state, stats
-
-
-def _plot(cfg, run_dir: Path, summary: dict) -> None:
-    from tba.logger import plot_learning_curve
-
-    if (run_dir / "metrics.jsonl").stat().st_size:
-        summary["learning_curve"] = str(plot_learning_curve(
-            run_dir / "metrics.jsonl", run_dir / "learning_curve.png",
-            ("searcher/reward_mean", "train/reward_mean", f"loss/{cfg.loss.name}", "buffer/staleness_mean")))
-
-
-def _check_prompts(task, model_path: str, max_new_tokens: int) -> None:
-    """Empty or over-long prompts fail here, before Ray starts (one clear line, see Task.check_prompts)."""
-    from transformers import AutoConfig
-
-    from tba.models import load_tokenizer
-
-    try:
-        max_positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    except OSError:
-        max_positions = None  # a hub id we cannot reach yet: the workers will report it
-    task.check_prompts(load_tokenizer(model_path), max_positions, max_new_tokens)
-
-
-def _numbers(result: dict) -> dict[str, float]:
-    return {k: v for k, v in result.items() if isinstance(v, (int, float))}
-
-
-def _fmt_metrics(m: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items())
-
-
-def _dump_yaml(data: dict) -> str:
-    import yaml
-
-    return yaml.safe_dump(data, sort_keys=False)
+    out, options, rest = [], [], iter(argv)  # options after every positional: CONFIG stays the first
+    for arg in rest:
+        name, eq, value = arg[2:].partition("=")
+        if arg == "--":
+            out += [arg, *rest]
+        elif not arg.startswith("--") or f"--{name}" in known:
+            out.append(arg)
+        elif name.startswith("task.options.") and len(name) > len("task.options."):
+            value = value if eq else next(rest, None)
+            if value is None:
+                raise ConfigError(f"--{name} needs a value")
+            options.append(f"{name}={value}")
+        elif "." in name:
+            raise unknown_field(name)
+        else:  # --lr: a field's name without its section, or a misspelt option (--max-step)
+            leaf = [f"--{d}" for d in field_names() if d.rsplit(".", 1)[-1] == name]
+            close = leaf or difflib.get_close_matches(f"--{name}", sorted(known), n=1)
+            raise ConfigError(f"unknown option --{name}" + (f"; did you mean {close[0]}?" if close else ""))
+    return out + options
 
 
 def _fmt3(x: float | None) -> str:
@@ -322,10 +203,6 @@ def print_summary(s: dict) -> None:
     print("\n".join(lines), flush=True)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tba`` command; returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -346,17 +223,30 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(rest: list[str]) -> int:
-    """``tba train REST``: runs and prints the summary, or prints one error line; returns the exit code."""
+    """``tba train REST``: runs and prints the summary (or, with --print-config, the config), or prints one
+    error line; returns the exit code."""
+    try:
+        args = parse_train_args(rest)
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, OSError) as e:  # OSError: the config file does not exist
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+    if args.print_config:
+        print(dump_config(cfg), end="", flush=True)
+        return 0
+    return _run_and_report(cfg, args.resume)
+
+
+def _run_and_report(cfg: Config, resume: str | None) -> int:
+    from tba.api import train
     from tba.models import ModelLoadError
     from tba.runtime.cadence import NoSamples, TooManySkippedSteps
 
     try:
-        path, overrides, resume = parse_train_args(rest)
-        cfg = load_config(path, overrides)
         signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM checkpoints and cleans up like Ctrl-C
         # a shell starts background jobs with SIGINT ignored; `kill -INT` must still stop such a run cleanly
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        summary = run_train(cfg, resume_dir=resume)
+        summary = train(cfg, resume_dir=resume)
     except KeyboardInterrupt:
         print("\ninterrupted; all actors stopped", file=sys.stderr)
         return 130
@@ -372,6 +262,10 @@ def _train(rest: list[str]) -> int:
         return 1
     print_summary(summary)
     return 0
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ raise :class:`ConfigError` naming the field and what is allowed, before any mode
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -283,8 +285,47 @@ def _format_validation_error(err: ValidationError) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "config"
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-        lines.append(f"{loc}: {e['msg']}{got}")
+        close = _closest(loc) if e["type"] == "extra_forbidden" else None  # a misspelt key in the YAML file
+        lines.append(f"{loc}: {e['msg']}{got}" + (f"; did you mean {close}?" if close else ""))
     return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def field_names() -> list[str]:
+    """Every config field's dotted name (``trainer.lr``), in declaration order."""
+    return [dotted for dotted, _ in iter_fields()]
+
+
+def _closest(dotted: str) -> str | None:
+    """The config field a misspelt dotted name most likely meant, or None: within a known section, the same
+    name in another section (trainer.temperature -> searcher.temperature), else the section's closest field
+    (difflib, ratio >= 0.6), else one that starts with it (trainer.warm -> trainer.warmup_steps); with an
+    unknown section, the closest dotted name overall (trainr.lr -> trainer.lr)."""
+    names = field_names()
+    section, _, leaf = dotted.partition(".")
+    if not leaf or section not in Config.model_fields:
+        close = difflib.get_close_matches(dotted, names, n=1)
+        return close[0] if close else None
+    own = [n.split(".", 1)[1] for n in names if n.startswith(f"{section}.")]
+    elsewhere = [n for n in names if n.split(".", 1)[1] == leaf]
+    found = elsewhere or difflib.get_close_matches(leaf, own, n=1) or [n for n in own if n.startswith(leaf)]
+    return None if not found else found[0] if found is elsewhere else f"{section}.{found[0]}"
+
+
+def unknown_field(dotted: str) -> ConfigError:
+    """The one-line error for a dotted name that is no config field: ``unknown field trainer.lrr; did you
+    mean trainer.lr?``, or, with nothing close, the fields of the section it names."""
+    close = _closest(dotted)
+    if close:
+        return ConfigError(f"unknown field {dotted}; did you mean {close}?")
+    fields = Config.model_fields
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        ann = fields[part].annotation if part in fields else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            where = ".".join(parts[:i]) or "config"
+            return ConfigError(f"unknown field {dotted}: {where} has {', '.join(fields)}")
+        fields = ann.model_fields
+    return ConfigError(f"unknown field {dotted}: a section, not a field (it has {', '.join(fields)})")
 
 
 def parse_value(text: str) -> Any:
@@ -314,15 +355,14 @@ def set_dotted(data: dict, dotted: str, value: Any) -> None:
     """Set ``data['a']['b'] = value`` for ``dotted == 'a.b'``, creating sections as needed.
 
     Raises:
-        ConfigError: if the key names no config field.
+        ConfigError: if the key names no config field (the message suggests the closest one).
     """
     parts = dotted.split(".")
     fields = Config.model_fields
     node = data
     for i, part in enumerate(parts):
         if part not in fields:
-            where = ".".join(parts[:i]) or "config"
-            raise ConfigError(f"unknown config field '{dotted}': {where} has {', '.join(fields)}")
+            raise unknown_field(dotted)
         annotation = fields[part].annotation
         if i == len(parts) - 1:
             node[part] = value
@@ -361,12 +401,32 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(data).__name__}")
+    return _validated(data, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: Mapping[str, Any] | None) -> Config:
+    """A copy of ``cfg`` with dotted overrides (``{'trainer.lr': 1e-5}``) applied, validated again as a
+    whole (so the cross-field rules also see fields assigned one by one); ``cfg`` itself is left as it is.
+
+    Raises:
+        ConfigError: an unknown field or an invalid value (the message names the field).
+    """
+    return _validated(cfg.model_dump(), overrides)
+
+
+def _validated(data: dict, overrides: Mapping[str, Any] | None) -> Config:
     for key, value in (overrides or {}).items():
         set_dotted(data, key, value)
     try:
         return Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_validation_error(e)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """``cfg`` as YAML, every field with its value: what ``RUN_DIR/config.yaml`` holds, read back by
+    :func:`load_config` to the same config."""
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
 
 
 def iter_fields(model: type[BaseModel] = Config, prefix: str = ""):
