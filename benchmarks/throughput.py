@@ -43,10 +43,14 @@ c. **Trainer**: ``tba.trainer.Trainer.step`` on a quickstart-sized batch: B = 4 
    builds its trainer), ``micro_batch_size`` 32; the same batch twice: as it comes (the K
    responses of a prompt share one prompt pass, ``tba.scoring.token_logprobs``) and with 32 distinct prompts
    of the same lengths (every row computed in full), side by side. Trained tokens/s counts prompt +
-   response tokens of every sample (as ``perf/train_tokens_per_s`` does); MFU = 6 x (block params x computed
-   tokens + LM-head params x response tokens) per second / bf16 peak, where computed tokens count each
-   distinct prompt once (what the passes compute) and only responses reach the LM head (``logits_to_keep``);
-   the peak is measured with the trainer's threads (printed). On a CPU the MFU is also given against the
+   response tokens of every sample (as ``perf/train_tokens_per_s`` does); MFU = ``train_step_flops`` per
+   second / bf16 peak, with ``train_step_flops`` = 6 x (block params x tokens fed through the blocks +
+   LM-head params x positions whose logits are computed): each prompt pass's tokens (a distinct prompt once
+   per micro batch with shared prompts, every row's prompt without) plus every response but its last token
+   (only a target) go through the blocks; the LM head computes the logits of the last position of each
+   prompt pass (they score the first token of that pass's responses) and of every fed response token
+   (``tba.scoring.token_logprobs``, ``logits_to_keep``); the peak is measured with the trainer's threads
+   (printed). On a CPU the MFU is also given against the
    processor's spec peak (cores x clock x bf16 FLOPs per cycle, the assumption printed with it).
    Median over ``--train-steps`` steps after one warm-up step.
 d. **Weight publication latency**: real Ray (``ray.init(address="local", num_cpus=2, ...)``, loopback, no
@@ -81,6 +85,10 @@ shared cores)::
 
     python benchmarks/throughput.py --threads 1 --batch-sizes 8 32 --repeats 3 --skip trainer publish \\
         --out benchmarks/results/throughput-vllm.md
+
+Recount a results JSON's trainer MFU with the current FLOP count (``train_step_flops``; measures nothing)::
+
+    python benchmarks/throughput.py --recount benchmarks/results/throughput-mfu.json
 
 Caveats: absolute times depend on whatever else runs on the machine; read the ratios (measured side by side
 and interleaved), not the absolute numbers. On a CPU the peak and all throughputs use ``--threads`` threads
@@ -395,7 +403,7 @@ def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int
     for name, distinct in (("shared", False), ("full", True)):
         batch = make_batch(prompts, b, k, resp_len, model.config.vocab_size, tok.eos_token_id, seed=0,
                            distinct=distinct)
-        r = res[name] = _time_trainer_steps(trainer, batch, steps, device, split, peak)
+        r = res[name] = _time_trainer_steps(trainer, batch, steps, device, split, peak, not distinct)
         print(f"  trainer ({name} prompts): {r['step_s']:.3f} s/step, {r['tokens_per_s']:.0f} tok/s, "
               f"MFU {r['mfu']:.1%}", flush=True)
     res["shared_speedup"] = res["full"]["step_s"] / res["shared"]["step_s"]
@@ -404,8 +412,8 @@ def bench_trainer(policy_path: str, layers: int | None, prompts, cfg, steps: int
 
 
 def flop_params(model) -> tuple[int, int]:
-    """(parameters every computed token goes through, LM-head parameters): the embedding lookup costs no
-    FLOPs, and only response positions go through the LM head (``logits_to_keep``, docs/algorithm.md)."""
+    """(block parameters: what every token fed through the model goes through, LM-head parameters): the
+    embedding lookup costs no FLOPs, and the LM head runs only where logits are kept (``train_step_flops``)."""
     emb = model.get_input_embeddings().weight
     head = model.get_output_embeddings().weight
     total = sum(p.numel() for p in model.parameters())  # a tied head counts once
@@ -413,16 +421,68 @@ def flop_params(model) -> tuple[int, int]:
     return blocks, head.numel()
 
 
+def train_step_positions(prompt_lens, response_lens, group_size: int, shared: bool,
+                         micro_batch_size: int | None = None) -> tuple[int, int]:
+    """(tokens fed through the transformer blocks, positions whose LM-head logits are computed) in one
+    ``Trainer.step``'s forward pass, counting real tokens only (no padding). See ``train_step_flops``."""
+    k = group_size
+    if len(response_lens) != len(prompt_lens) * k:
+        raise ValueError(f"{len(response_lens)} responses for {len(prompt_lens)} prompts x K = {k}")
+    if min(response_lens, default=1) < 1:
+        raise ValueError("every response has at least one token")
+    n = len(response_lens)
+    mb = micro_batch_size or n
+    passes = 0  # prompt passes: one per distinct prompt of a micro batch (shared), one per row (not shared)
+    prompt_tokens = 0
+    for start in range(0, n, mb):
+        rows = range(start, min(start + mb, n))
+        groups = sorted({j // k for j in rows}) if shared else [j // k for j in rows]
+        passes += len(groups)
+        prompt_tokens += sum(prompt_lens[g] for g in groups)
+    fed_response = sum(length - 1 for length in response_lens)  # a response's last token is only a target
+    return prompt_tokens + fed_response, passes + fed_response
+
+
+def train_step_flops(prompt_lens, response_lens, group_size: int, shared: bool, block_params: int,
+                     head_params: int, micro_batch_size: int | None = None) -> int:
+    """Model FLOPs of one ``Trainer.step``'s forward + backward: 6 x (block params x tokens fed through the
+    blocks + LM-head params x positions whose logits are computed).
+
+    ``prompt_lens``: one per prompt; ``response_lens``: the K = ``group_size`` responses of prompt 0, then of
+    prompt 1, ... (a ``Batch``'s order); ``shared``: the K responses of a prompt share one prompt pass
+    (``tba.scoring.token_logprobs`` with repeated prompts; False: every row scored in full, as with
+    distinct prompts or activation checkpointing); ``micro_batch_size``: the trainer's (None: one).
+
+    What ``tba.scoring`` needs computed, per micro batch (``Trainer`` calls it on slices of the batch):
+
+    * blocks: the tokens of each prompt pass (shared: each distinct prompt of the micro batch once; not
+      shared: every row's prompt) plus every response token but the last: logits at position t score
+      response token t + 1, so the last token is only a target and is never needed as an input;
+    * LM head: the last position of each prompt pass (its logits score the first token of every response
+      of that pass: once per prompt when shared, once per row when not) plus every fed response token.
+
+    Not counted, as MFU does not count them: padding, positions the implementation runs but whose outputs are
+    unused (the row-by-row path feeds the last response token and keeps one extra column of logits; the
+    shared path feeds a shorter response's last token), the no-grad forward that a step with several micro
+    batches runs before its forward + backward passes, reference scoring (no grad; absent when samples
+    arrive with reference log-probs), and attention's sequence-length term.
+    """
+    blocks, head = train_step_positions(prompt_lens, response_lens, group_size, shared, micro_batch_size)
+    return 6 * (block_params * blocks + head_params * head)
+
+
 def _time_trainer_steps(trainer, batch, steps: int, device: str, params: tuple[int, int],
-                        peak: PeakSampler) -> dict:
+                        peak: PeakSampler, shared: bool) -> dict:
     """One warm-up step, then ``steps`` timed steps on ``batch`` (a peak sample before each): the median step
-    time, trained and computed tokens, and MFU = 6 x (block params x computed tokens + head params x response
-    tokens) / step time / peak (attention's sequence-length term left out: prompts are ~54 tokens)."""
+    time, trained tokens, the positions the passes compute, and MFU = ``train_step_flops`` / step time /
+    peak (``shared``: the batch's K responses of a prompt share one prompt pass)."""
     n_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in batch.samples)
-    # what the forward/backward passes compute: each distinct prompt once, every response; only responses
-    # reach the LM head
-    response = sum(len(s.response_ids) for s in batch.samples)
-    computed = sum(len(p) for p in {tuple(s.prompt_ids) for s in batch.samples}) + response
+    k = batch.group_size
+    prompt_lens = [len(batch.samples[i].prompt_ids) for i in range(0, len(batch.samples), k)]
+    assert all(len(s.prompt_ids) == prompt_lens[j // k] for j, s in enumerate(batch.samples))
+    response_lens = [len(s.response_ids) for s in batch.samples]
+    mb = trainer.cfg.micro_batch_size
+    fed, head_positions = train_step_positions(prompt_lens, response_lens, k, shared, mb)
     trainer.step(batch)  # warm-up
     times = []
     first_peak = len(peak.samples)
@@ -434,13 +494,81 @@ def _time_trainer_steps(trainer, batch, steps: int, device: str, params: tuple[i
         _sync(device)
         times.append(time.perf_counter() - t0)
     step_s = statistics.median(times)
-    r = {"tokens_per_step": n_tokens, "computed_tokens_per_step": computed, "step_s": step_s,
-         "all_step_s": times, "tokens_per_s": n_tokens / step_s, "peak_flops_per_s": peak.since(first_peak),
+    r = {"tokens_per_step": n_tokens, "computed_tokens_per_step": fed, "head_positions_per_step": head_positions,
+         "step_s": step_s, "all_step_s": times, "tokens_per_s": n_tokens / step_s,
+         "peak_flops_per_s": peak.since(first_peak), "all_peak_flops_per_s": peak.samples[first_peak:],
          "prompt_len_mean": statistics.fmean(len(s.prompt_ids) for s in batch.samples),
-         "response_len_mean": statistics.fmean(len(s.response_ids) for s in batch.samples)}
-    r["flops_per_step"] = 6 * (params[0] * computed + params[1] * response)
+         "response_len_mean": statistics.fmean(len(s.response_ids) for s in batch.samples),
+         "prompt_lens": prompt_lens, "response_lens": response_lens}
+    r["flops_per_step"] = train_step_flops(prompt_lens, response_lens, k, shared, *params, mb)
     r["mfu"] = r["flops_per_step"] / step_s / r["peak_flops_per_s"]
+    # each step against the peak sampled just before it: the run's own spread
+    r["all_mfu"] = [r["flops_per_step"] / t / p for t, p in zip(times, r["all_peak_flops_per_s"])]
     return r
+
+
+def recount_trainer_mfu(res: dict) -> dict:
+    """The trainer MFU of a results JSON (``res``, as ``--out`` writes it) recounted with ``train_step_flops``:
+    per case (``shared``, ``full``), the FLOPs per step, the MFU (median step time, median peak of the
+    section) and every step's MFU against the peak sampled just before it.
+
+    Results written before the count was corrected lack the per-sample lengths and per-step peaks: the lengths
+    then come from the means (exact with one micro batch: the count depends only on the sums of the prompt and
+    response lengths and on the number of prompt passes), and the peaks from the run's bf16 samples (the
+    trainer section took the last 2 x steps of them, checked against the medians it recorded).
+
+    Raises:
+        ValueError: the lengths or peaks cannot be recovered from ``res``.
+    """
+    t = res["trainer"]
+    b, k = (int(x) for x in t["batch"].split("x"))
+    n, mb = b * k, t["micro_batch_size"]
+    samples = res["peak"]["bf16"]["all_flops_per_s"]
+    steps = len(t["shared"]["all_step_s"])
+    split = (t["block_params"], t["head_params"]) if "block_params" in t else _config_split(res["meta"], t["params"])
+    out = {}
+    for i, name in enumerate(("shared", "full")):
+        r = t[name]
+        if "prompt_lens" in r:
+            prompt_lens, response_lens = r["prompt_lens"], r["response_lens"]
+        else:
+            p_sum, r_sum = r["prompt_len_mean"] * b, r["response_len_mean"] * n
+            if mb < n or abs(p_sum - round(p_sum)) > 1e-6 or abs(r_sum - round(r_sum)) > 1e-6:
+                raise ValueError(f"{name}: lengths not recoverable from the means")
+            prompt_lens, response_lens = _spread(round(p_sum), b), _spread(round(r_sum), n)
+        peaks = r.get("all_peak_flops_per_s")
+        if peaks is None:
+            start = len(samples) - (2 - i) * steps
+            peaks = samples[start:start + steps]
+            if statistics.median(peaks) != r["peak_flops_per_s"]:
+                raise ValueError(f"{name}: the section's peak samples are not the run's last ones")
+        flops = train_step_flops(prompt_lens, response_lens, k, name == "shared", *split, mb)
+        all_mfu = [flops / s / pk for s, pk in zip(r["all_step_s"], peaks)]
+        out[name] = {"flops_per_step": flops, "recorded_flops_per_step": r.get("flops_per_step"),
+                     "mfu": flops / r["step_s"] / r["peak_flops_per_s"], "recorded_mfu": r["mfu"],
+                     "all_mfu": all_mfu, "median_step_mfu": statistics.median(all_mfu)}
+    return out
+
+
+
+def _spread(total: int, n: int) -> list[int]:
+    """``n`` lengths summing to ``total``, as even as integers allow."""
+    q, rem = divmod(total, n)
+    return [q + 1] * rem + [q] * (n - rem)
+
+
+def _config_split(meta: dict, params: int) -> tuple[int, int]:
+    """(block params, LM-head params) of the run's model, from its config (results written before the
+    benchmark recorded them): the head is vocab x hidden, the embedding the same (once when tied)."""
+    from transformers import AutoConfig
+
+    from tba.models import prepare_model
+
+    if meta.get("layers"):
+        raise ValueError("a --layers run: the parameter split is not recoverable")
+    c = AutoConfig.from_pretrained(prepare_model(meta["model"]))
+    head = c.vocab_size * c.hidden_size
+    return params - head * (1 if c.tie_word_embeddings else 2), head
 
 
 # -- d. weight publication ---------------------------------------------------------------------------
@@ -640,11 +768,20 @@ def _trainer_lines(t: dict) -> list[str]:
             f"| trainer speed-up from one pass per prompt | {t['shared_speedup']:.2f}x | |",
             (f"| trained tokens/s (prompt + response of every sample, {sh['tokens_per_step']} per step) | "
              f"{sh['tokens_per_s']:.0f} | |"),
-            (f"| **trainer MFU** (6 x (block params x computed tokens + LM-head params x response tokens) / s, "
-             f"over the bf16 matmul peak measured with the trainer's {t.get('threads', '?')} thread(s), sampled "
-             f"between the steps: {_si(sh['peak_flops_per_s'], 'FLOP/s')}; computed: each prompt once, "
-             f"{sh['computed_tokens_per_step']} tokens per step) / same, every row in full | "
+            (f"| **trainer MFU** (6 x (block params x tokens through the blocks + LM-head params x positions "
+             f"with logits) / s, `train_step_flops`, over the bf16 matmul peak measured with the trainer's "
+             f"{t.get('threads', '?')} thread(s), sampled between the steps: "
+             f"{_si(sh['peak_flops_per_s'], 'FLOP/s')}; one pass per prompt: "
+             f"{sh['computed_tokens_per_step']} block tokens, {sh.get('head_positions_per_step', '?')} LM-head "
+             f"positions per step{_mfu_spread(sh)}) / same, every row in full | "
              f"**{sh['mfu']:.1%}** / {fu['mfu']:.1%} | >= 30% |")] + _spec_lines(t, sh)
+
+
+def _mfu_spread(r: dict) -> str:
+    """``; per step ...``: min-max of the steps' MFUs, each against the peak sampled just before it."""
+    if not r.get("all_mfu"):
+        return ""
+    return f"; per step, against the peak sampled before it: {min(r['all_mfu']):.1%}-{max(r['all_mfu']):.1%}"
 
 
 def _spec_lines(t: dict, sh: dict) -> list[str]:
@@ -690,6 +827,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(tba's VLLMEngine); default all three when vllm is importable, else engine and generate")
     p.add_argument("--skip", nargs="*", default=[], choices=["generation", "trainer", "publish"])
     p.add_argument("--out", default="benchmarks/results/throughput.md", help="markdown report (JSON next to it)")
+    p.add_argument("--recount", metavar="JSON", default=None,
+                   help="measure nothing: recount the trainer MFU of this results JSON with train_step_flops")
     return p
 
 
@@ -786,6 +925,16 @@ def write_report(res: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.recount:
+        import json
+
+        for name, r in recount_trainer_mfu(json.loads(Path(args.recount).read_text())).items():
+            was = r["recorded_flops_per_step"]
+            print(f"{name}: {r['flops_per_step'] / 1e9:.2f} GFLOP/step (recorded "
+                  f"{f'{was / 1e9:.2f}' if was else 'none'}); MFU {r['mfu']:.1%} (recorded "
+                  f"{r['recorded_mfu']:.1%}); per step {', '.join(f'{m:.1%}' for m in r['all_mfu'])}: "
+                  f"median {r['median_step_mfu']:.1%}, min-max {min(r['all_mfu']):.1%}-{max(r['all_mfu']):.1%}")
+        return 0
     quiet_env()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM reads it when first imported
     if args.engines is None:
