@@ -5,11 +5,13 @@
   source ``tba train --help`` prints, so each default and its explanation are written once, in the code.
 - The repository's own reports outside ``docs/`` (README.md, benchmarks/README.md, the benchmark tables and
   figures) are mounted under ``repo/`` as they are, so the site shows them without copies; a docs page links to
-  them as ``../README.md`` (right on GitHub too), which :func:`on_page_markdown` points at ``repo/README.md``.
+  them as ``../README.md`` (right on GitHub too), which :func:`on_page_markdown` points at ``repo/README.md``;
+  a mounted file's links into ``docs/`` (``docs/usage.md`` in the README) point at the site's pages.
 """
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 
@@ -85,9 +87,30 @@ def on_files(files, config):
     return files
 
 
+_LINK = re.compile(r"\]\(([^)#\s]+)(#[^)\s]*)?\)")
+
+
+def _docs_link(uri: str, markdown: str) -> str:
+    """In a mounted repository file ``repo/<path>``, a relative link into ``docs/`` (``docs/usage.md`` from the
+    README, as GitHub resolves it) points at the site's own page (``../usage.md``)."""
+    here = posixpath.dirname(uri)  # repo/... in the site
+    base = posixpath.dirname(uri.removeprefix(f"{MOUNT}/"))  # the same folder in the repository
+
+    def fix(m: re.Match) -> str:
+        target = posixpath.normpath(posixpath.join(base, m.group(1)))
+        if "://" in m.group(1) or not target.startswith("docs/"):
+            return m.group(0)
+        return f"]({posixpath.relpath(target.removeprefix('docs/'), here)}{m.group(2) or ''})"
+
+    return _LINK.sub(fix, markdown)
+
+
 def on_page_markdown(markdown, page, config, files):
     """In the pages of ``docs/`` (all at its top level), a link ``../X`` (a repository file, as GitHub resolves
-    it) points at the mounted copy ``repo/X``; the build's link check then finds it or fails."""
-    if page.file.src_uri.startswith(f"{MOUNT}/") or page.file.generated_by:
+    it) points at the mounted copy ``repo/X``; in a mounted file, a link into ``docs/`` points at the site's
+    page. The build's link check then finds the target or fails."""
+    if page.file.src_uri.startswith(f"{MOUNT}/"):
+        return _docs_link(page.file.src_uri, markdown)
+    if page.file.generated_by:
         return markdown
     return re.sub(r"\]\(\.\./", f"]({MOUNT}/", markdown)

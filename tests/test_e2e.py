@@ -32,9 +32,10 @@ def _connections(psutil, pid):
 def test_async_run_end_to_end(tmp_path, model_path, cli):
     out = tmp_path / "run"
     # bf16 (what "auto" picks on AVX512/AMX CPUs and CUDA): the trainer's float32 master weights under bf16
-    # autocast score the responses a little differently from the searchers' bf16 reference (README: 1.3-1.6%
-    # of a real TB gradient), so TB has a gradient from step 1 even when every reward is the same (as the
-    # 2-layer model's 0s), and the policy then differs from the reference; in float32 it would be exactly 0
+    # autocast score the responses a little differently from the searchers' bf16 reference (1.3-1.6% of a
+    # real TB gradient: benchmarks/README.md, "Step-0 precision gap"), so TB has a gradient from step 1 even
+    # when every reward is the same (as the 2-layer model's 0s), and the policy then differs from the
+    # reference; in float32 it would be exactly 0
     r = cli.run([*TINY, "--max-steps", "6", "--trainer.sync_period", "2", "--run.eval_every", "3",
                  "--model.dtype", "bfloat16", "--output-dir", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
