@@ -157,7 +157,7 @@ def _raise_interrupt(signum, frame):
 
 
 def study_main(args, run_study: Callable[[Any], int], report: Callable[[Path], str]) -> int:
-    """Entry point of the resumable studies (``staleness.py``, ``offpolicy.py``).
+    """Entry point of the resumable studies (``offpolicy.py``, ``known_optimum.py``).
 
     ``--report-only``: print ``report(out)`` from ``<out>/results.jsonl`` (exit 1 if there is none). Otherwise
     run ``run_study(args)`` with SIGTERM raising KeyboardInterrupt (the study then keeps its finished cells and
