@@ -176,7 +176,7 @@ def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summar
             # now that Ray runs: ray.init installs its own SIGTERM handler, which exits at once (no
             # checkpoint, actors left to the raylet); as KeyboardInterrupt the runtime's __exit__ saves
             if main_thread:
-                signal.signal(signal.SIGTERM, _raise_interrupt)
+                signal.signal(signal.SIGTERM, raise_interrupt)
             print(describe(rt.cfg), flush=True)
             summary["device"] = rt.cfg.model.device
             if resume_dir:
@@ -210,7 +210,12 @@ def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summar
     return state, stats
 
 
-def _raise_interrupt(signum, frame):
+def raise_interrupt(signum, frame):
+    """A SIGTERM handler: stop the run as Ctrl-C does (a checkpoint is saved, every actor stopped).
+
+    Raises:
+        KeyboardInterrupt: always.
+    """
     raise KeyboardInterrupt
 
 

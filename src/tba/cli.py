@@ -238,12 +238,12 @@ def _train(rest: list[str]) -> int:
 
 
 def _run_and_report(cfg: Config, resume: str | None) -> int:
-    from tba.api import train
+    from tba.api import raise_interrupt, train
     from tba.models import ModelLoadError
     from tba.runtime.cadence import NoSamples, TooManySkippedSteps
 
     try:
-        signal.signal(signal.SIGTERM, _raise_interrupt)  # SIGTERM checkpoints and cleans up like Ctrl-C
+        signal.signal(signal.SIGTERM, raise_interrupt)  # SIGTERM checkpoints and cleans up like Ctrl-C
         # a shell starts background jobs with SIGINT ignored; `kill -INT` must still stop such a run cleanly
         signal.signal(signal.SIGINT, signal.default_int_handler)
         summary = train(cfg, resume_dir=resume)
@@ -262,10 +262,6 @@ def _run_and_report(cfg: Config, resume: str | None) -> int:
         return 1
     print_summary(summary)
     return 0
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -167,6 +167,14 @@ def route_library_file(run_dir: str | Path, role: str) -> logging.Handler | None
     return handler
 
 
+def route_worker(run_dir: str | Path | None, role: str) -> None:
+    """An actor's routing: :func:`route_console`, and :func:`route_library_file` into ``run_dir`` (when
+    given) with its lines tagged ``role``."""
+    route_console()
+    if run_dir is not None:
+        route_library_file(run_dir, role)
+
+
 def remove_routes() -> None:
     """Remove (and close) the handlers :func:`route_console` and :func:`route_library_file` installed, give
     the root logger back the level it had, and stop routing Python warnings through logging."""

@@ -23,15 +23,13 @@ class BufferActor:
 
     Args:
         cfg: the run config as a dict (``buffer`` section and ``run.seed``).
-        run_dir: the run directory, for the third-party log (:func:`tba.logger.route_library_file`).
+        run_dir: the run directory, for the third-party log (:func:`tba.logger.route_worker`).
     """
 
     def __init__(self, cfg: dict, run_dir: str | None = None):
-        from tba.logger import route_console, route_library_file
+        from tba.logger import route_worker
 
-        route_console()
-        if run_dir is not None:
-            route_library_file(run_dir, "buffer")
+        route_worker(run_dir, "buffer")  # no transformers here: quiet_libraries would import it
         c = Config.model_validate(cfg)
         self.buffer = ReplayBuffer(c.buffer, c.run.seed)
         self.min_fill = c.buffer.min_fill

@@ -29,11 +29,9 @@ def quiet_libraries(run_dir: str | None = None, role: str = "worker") -> None:
     """
     from transformers.utils import logging as hf_logging  # imported first: routing releases its handler
 
-    from tba.logger import route_console, route_library_file
+    from tba.logger import route_worker
 
-    route_console()
-    if run_dir is not None:
-        route_library_file(run_dir, role)
+    route_worker(run_dir, role)
     hf_logging.disable_progress_bar()
 
 
@@ -51,15 +49,9 @@ def build_engine(cfg: Config, policy_path: str, tokenizer, seed: int, task, prob
     """
     dtype, device = pick_dtype(cfg.model.dtype), _device(cfg)
     if cfg.searcher.engine == "vllm":
-        from tba.engines.vllm import VLLMEngine
-
-        n = cfg.model.num_hidden_layers
-        folder = truncated_copy(policy_path, n, cfg.model.cache_dir) if n else policy_path
-        longest = max(len(task.encode(tokenizer, task.train[i])) for i in problem_ids)
-        max_model_len = longest + cfg.searcher.max_new_tokens
-        return VLLMEngine(folder, dtype=dtype, device=device, max_num_seqs=cfg.searcher.max_num_seqs,
-                          max_model_len=max_model_len, gpu_memory_utilization=vllm_memory_share(cfg),
-                          kv_cache_gib=cfg.searcher.kv_cache_gib, threads=cfg.searcher.threads, seed=seed)
+        return _vllm_engine(cfg, policy_path, tokenizer, task, [task.train[i] for i in problem_ids], device=device,
+                            max_num_seqs=cfg.searcher.max_num_seqs, threads=cfg.searcher.threads, seed=seed,
+                            gpu_memory_utilization=vllm_memory_share(cfg))
     policy = load_causal_lm(policy_path, dtype, cfg.model.num_hidden_layers).to(device)
     return HFEngine(policy, tokenizer, cfg.searcher.max_num_seqs)
 
@@ -79,14 +71,21 @@ def build_eval_engine(cfg: Config, policy_path: str, policy, tokenizer, task) ->
     """
     if cfg.run.eval_engine != "vllm":
         return HFEngine(policy, tokenizer, cfg.run.eval_batch_size)
+    return _vllm_engine(cfg, policy_path, tokenizer, task, task.eval or task.train, device="cpu",
+                        max_num_seqs=cfg.run.eval_batch_size, threads=cfg.trainer.threads, seed=cfg.run.seed)
+
+
+def _vllm_engine(cfg: Config, policy_path: str, tokenizer, task, problems, **engine_kw) -> Engine:
+    """A ``VLLMEngine`` on the policy (cut to ``model.num_hidden_layers``) in the generation dtype, its
+    sequences sized by the longest prompt of ``problems`` plus ``searcher.max_new_tokens``; ``engine_kw``:
+    the caller's device, ``max_num_seqs``, threads, seed (and GPU share)."""
     from tba.engines.vllm import VLLMEngine
 
     n = cfg.model.num_hidden_layers
     folder = truncated_copy(policy_path, n, cfg.model.cache_dir) if n else policy_path
-    longest = max(len(task.encode(tokenizer, p)) for p in task.eval or task.train)
-    return VLLMEngine(folder, dtype=pick_dtype(cfg.model.dtype), device="cpu", max_num_seqs=cfg.run.eval_batch_size,
-                      max_model_len=longest + cfg.searcher.max_new_tokens, kv_cache_gib=cfg.searcher.kv_cache_gib,
-                      threads=cfg.trainer.threads, seed=cfg.run.seed)
+    longest = max(len(task.encode(tokenizer, p)) for p in problems)
+    return VLLMEngine(folder, dtype=pick_dtype(cfg.model.dtype), max_model_len=longest + cfg.searcher.max_new_tokens,
+                      kv_cache_gib=cfg.searcher.kv_cache_gib, **engine_kw)
 
 
 def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: int) -> Searcher:

@@ -226,7 +226,9 @@ class RayRuntime:
             metrics = ray.get(self._inflight)
             if metrics is None:  # the buffer is below buffer.min_fill (samples are never removed below it)
                 self._inflight = None
-                time.sleep(0.1 if c.run.mode == "async" else 0)
+                if c.run.mode == "sync":  # sync mode trains once a sample is in: this round added none
+                    self._raise_no_samples()
+                time.sleep(0.1)
                 continue
             if self.cadence.publish_due(st.step + 1):
                 self.on_phase("publish", st.step + 1)
@@ -246,20 +248,17 @@ class RayRuntime:
             # the recent set is exactly the batch just generated (every sample since the previous sync),
             # whichever version the searchers were served (trainer.generation_lag, searcher.receive_weights)
             ray.get(self.buffer.sync.remote(0))
-            self._check_fill_progress()
         else:
             self.state.searcher_restarts += self.searchers.restart_dead()
 
-    def _check_fill_progress(self) -> None:
+    def _raise_no_samples(self) -> None:
         """Sync mode trains once the buffer holds a sample (:func:`mode_config`); a generation round that
         leaves it empty (every reward failed, failed samples dropped) would repeat forever.
 
         Raises:
-            NoSamples: one line naming the cause, with the count and the newest reward error.
+            NoSamples: always: one line naming the cause, with the count and the newest reward error.
         """
         stats = ray.get(self.buffer.stats.remote(False))
-        if stats["buffer/size"] > 0:
-            return
         failures = int(stats["searcher/reward_failures_total"])
         last = next(filter(None, ray.get([s.last_reward_error.remote() for s in self.searchers])), None)
         raise NoSamples(f"sync mode: generation added no sample ({failures} rewards failed, last: {last}) and the "

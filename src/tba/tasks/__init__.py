@@ -33,7 +33,7 @@ def task_class(name: str) -> type[Task]:
     """
     key = name.split(":", 1)[0] + ":" if ":" in name else name
     if key not in _TASKS:
-        known = ", ".join(f"'{k}<dataset>'" if k.endswith(":") else f"'{k}'" for k in _TASKS)
+        known = ", ".join(f"'{_shown(k)}'" for k in _TASKS)
         raise ValueError(f"task.name '{name}' is unknown: use one of {known}")
     return _import(key)
 
@@ -46,7 +46,12 @@ def _import(key: str) -> type[Task]:
 def task_classes() -> dict[str, type[Task]]:
     """Every task class by its ``task.name`` (``reasoning_gym:<dataset>`` for a suffixed one), for ``--help``;
     imports every task module."""
-    return {f"{k}<dataset>" if k.endswith(":") else k: _import(k) for k in _TASKS}
+    return {_shown(k): _import(k) for k in _TASKS}
+
+
+def _shown(key: str) -> str:
+    """A ``_TASKS`` key as users write it: ``reasoning_gym:<dataset>`` for one that takes a suffix."""
+    return f"{key}<dataset>" if key.endswith(":") else key
 
 
 def build_task(cfg: Config) -> Task:
