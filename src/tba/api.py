@@ -193,10 +193,12 @@ def _run(cfg, policy_path, ref_path, run_dir, resume_dir, logger, status, summar
                 print(f"eval before training: {_fmt_metrics(summary['eval_before'])}", flush=True)
             bar = _progress_bar(cfg.trainer.max_steps, f"loss/{cfg.loss.name}") if show_progress else None
             t_train = time.monotonic()
-            state = rt.train(bar)
+            try:
+                state = rt.train(bar)
+            finally:  # also when training stops with an error: the error line then starts a line of its own
+                if bar is not None:
+                    bar.close()
             summary["train_wall_s"] = time.monotonic() - t_train
-            if bar is not None:
-                bar.close()
             stats = rt.stats()
             summary["searcher_nodes"] = sorted(set(rt.searcher_nodes()))
             if cfg.run.eval_after:
