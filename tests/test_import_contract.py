@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 L1 = ("tba.types", "tba.config")
 L2 = ("tba.losses", "tba.buffer", "tba.rewards", "tba.engines", "tba.models", "tba.scoring", "tba.placement",
-      "tba.weights")
+      "tba.weights", "tba.adapters")
 L3 = ("tba.tasks", "tba.checkpoint", "tba.logger")
 L4 = ("tba.searcher", "tba.trainer")
 PURE_RUNTIME = ("tba.runtime.cadence", "tba.runtime.state", "tba.runtime.exchange")
@@ -22,7 +22,8 @@ PURE_RUNTIME = ("tba.runtime.cadence", "tba.runtime.state", "tba.runtime.exchang
 MAY_IMPORT = {
     **dict.fromkeys(L1, ()),  # rule 1: types and config import nothing from the package
     **dict.fromkeys(L2, L1),  # rule 2: only types and config ...
-    "tba.engines": L1 + ("tba.weights",),  # ... and engines the weights an engine's load_weights unpacks
+    "tba.engines": L1 + ("tba.weights", "tba.adapters"),  # ... engines what an engine's load_weights unpacks
+    "tba.adapters": L1 + ("tba.weights",),  # ... and adapters the packing they extend
     "tba.tasks": L1 + L2,  # rule 3: tasks build on layer 2; checkpoint and logger import nothing
     "tba.checkpoint": (), "tba.logger": (),
     "tba.searcher": L1 + L2 + L3,  # rule 4: layers 1-3, never each other

@@ -126,6 +126,7 @@ def _prepare(cfg: Config, resume_dir: str | None):
     (GPUs asked for where there are none), the task and its data, the models, the prompts' lengths, the
     checkpoint to resume. Returns (task, policy path, reference path, run dir, the step a resumed run
     continues from or None)."""
+    from tba.adapters import check_lora
     from tba.checkpoint import find, resumable_step
     from tba.models import prepare_model
     from tba.placement import check_engine, resolve_placement
@@ -147,6 +148,7 @@ def _prepare(cfg: Config, resume_dir: str | None):
         policy_path = prepare_model(cfg.model.policy, cfg.model.cache_dir)
     ref_path = prepare_model(cfg.model.reference, cfg.model.cache_dir) if cfg.model.reference else policy_path
     _check_prompts(task, policy_path, cfg.searcher.max_new_tokens)
+    check_lora(policy_path, cfg.model.lora)
     if resume_dir:
         run_dir = Path(resume_dir)
     else:

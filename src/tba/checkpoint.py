@@ -32,10 +32,15 @@ def read_json(path: Path):
 def save_trainer(directory: Path, model, optimizer, scheduler, extra: dict) -> None:
     """Policy weights, AdamW moments, scheduler and torch RNG of the trainer, plus ``extra`` (JSON-safe).
 
-    Shared (tied) weights are stored once (``safetensors.torch.save_model``).
+    Shared (tied) weights are stored once (``safetensors.torch.save_model``). A model with frozen
+    parameters (a LoRA adapter's base) stores only those that train: the base is the run's model files.
     """
     directory = Path(directory)
-    save_model(model, str(directory / "policy.safetensors"))
+    if _frozen(model):
+        save_file({n: p.detach().contiguous() for n, p in model.named_parameters() if p.requires_grad},
+                  str(directory / "policy.safetensors"))
+    else:
+        save_model(model, str(directory / "policy.safetensors"))
     opt = optimizer.state_dict()
     tensors = {f"{idx}.{name}": t.contiguous() for idx, st in opt["state"].items() for name, t in st.items()
                if isinstance(t, torch.Tensor)}
@@ -53,7 +58,15 @@ def load_trainer(directory: Path, model, optimizer, scheduler) -> dict:
         FileNotFoundError: the checkpoint is incomplete.
     """
     directory = Path(directory)
-    load_model(model, str(directory / "policy.safetensors"))
+    if _frozen(model):
+        trained = load_file(str(directory / "policy.safetensors"))
+        expected = {n for n, p in model.named_parameters() if p.requires_grad}
+        if set(trained) != expected:
+            raise CheckpointError(f"checkpoint {directory} holds other trained tensors than this model (e.g. "
+                                  f"{sorted(set(trained) ^ expected)[:2]}): was model.lora changed since?")
+        model.load_state_dict(trained, strict=False)
+    else:
+        load_model(model, str(directory / "policy.safetensors"))
     tensors = load_file(str(directory / "optimizer.safetensors"))
     torch.set_rng_state(tensors.pop("__rng__"))
     state: dict = {}
@@ -64,6 +77,10 @@ def load_trainer(directory: Path, model, optimizer, scheduler) -> dict:
     extra = read_json(directory / "trainer.json")
     scheduler.load_state_dict({**extra.pop("scheduler"), "lr_lambdas": [None] * len(optimizer.param_groups)})
     return extra
+
+
+def _frozen(model) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
 
 
 def begin(run_dir: Path) -> Path:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -21,6 +21,24 @@ class ConfigError(ValueError):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraSettings(_Section):
+    """A LoRA adapter trained instead of the full weights (peft); the reference is the base with it off."""
+
+    r: Optional[int] = Field(
+        None, ge=1, description="LoRA rank; None = train the full weights. With a rank the trainer trains a PEFT "
+        "LoRA adapter, the reference model is the base with the adapter disabled (no second copy), publications "
+        "carry the adapter only and RUN_DIR/final is a PEFT adapter folder.",
+    )
+    alpha: Optional[float] = Field(
+        None, gt=0, description="LoRA scaling numerator (the update is alpha / r x B A); None = 2 x r."
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapter's input, while training only.")
+    target_modules: Union[Literal["all-linear"], list[str]] = Field(
+        "all-linear", description="Modules that get an adapter: 'all-linear' (every linear layer but the LM head, "
+        "peft's shorthand) or a list of module-name suffixes, e.g. [q_proj, v_proj].",
+    )
 
 
 class ModelConfig(_Section):
@@ -54,6 +72,7 @@ class ModelConfig(_Section):
         "searcher", description="Who holds the reference model and scores pi_ref: each searcher, once per generated "
         "response; or the trainer, once per drawn response (frees searcher memory, e.g. for vLLM's KV cache).",
     )
+    lora: LoraSettings = Field(default_factory=LoraSettings)
 
 
 class TaskConfig(_Section):
@@ -220,7 +239,10 @@ class TrainerConfig(_Section):
     max_consecutive_skips: int = Field(
         5, ge=0, description="Stop (with a checkpoint) after this many steps in a row with a non-finite loss/grad."
     )
-    save_final: bool = Field(True, description="Save the final policy in Hugging Face format under RUN_DIR/final.")
+    save_final: bool = Field(True, description="Save the final policy in Hugging Face format under RUN_DIR/final "
+                             "(with model.lora: a PEFT adapter folder).")
+    save_merged: bool = Field(False, description="With model.lora: also save the adapter merged into the base "
+                              "weights, a full Hugging Face model, under RUN_DIR/final/merged.")
 
 
 class RunConfig(_Section):

@@ -119,12 +119,29 @@ def vllm_memory_share(cfg: Config) -> float:
     return c.gpu_memory_utilization or round(0.85 * min(1.0, c.num_gpus or 1.0), 4)
 
 
+def reference_location(cfg: Config) -> str:
+    """Where pi_ref is computed: 'trainer-base' / 'searcher-base' (the policy's own base with its LoRA
+    adapter off, no second copy: ``model.lora`` without a separate ``model.reference``; a searcher's only
+    on the hf engine, as vLLM's weights cannot be scored), else 'trainer' / 'searcher' (a separate copy)."""
+    own_base = bool(cfg.model.lora.r) and cfg.model.reference is None
+    if cfg.model.reference_on == "trainer":
+        return "trainer-base" if own_base else "trainer"
+    return "searcher-base" if own_base and cfg.searcher.engine == "hf" else "searcher"
+
+
+def _reference_text(cfg: Config) -> str:
+    where = reference_location(cfg)
+    if where.endswith("-base"):
+        return f"LoRA r={cfg.model.lora.r}, reference = the {where.split('-')[0]}'s base with the adapter off"
+    return f"reference on the {where}" + (" (a separate copy)" if cfg.model.lora.r else "")
+
+
 def describe(cfg: Config) -> str:
     """One line for the run's log: where the trainer and the searchers run, with which engine.
     ``cfg`` is :func:`resolve_placement`'s output."""
     c, n = cfg.searcher, cfg.searcher.num_searchers
     if cfg.model.device == "cpu":
         return (f"placement: CPU; trainer {cfg.trainer.threads} thread(s), {n} searcher(s) x {c.threads} thread(s), "
-                f"engine {c.engine}, reference on the {cfg.model.reference_on}, evals with {cfg.run.eval_engine}")
+                f"engine {c.engine}, {_reference_text(cfg)}, evals with {cfg.run.eval_engine}")
     return (f"placement: CUDA; trainer {cfg.trainer.num_gpus:g} GPU, {n} searcher(s) x {c.num_gpus:g} GPU, "
-            f"engine {c.engine}, reference on the {cfg.model.reference_on}, evals with {cfg.run.eval_engine}")
+            f"engine {c.engine}, {_reference_text(cfg)}, evals with {cfg.run.eval_engine}")

@@ -95,7 +95,7 @@ def _shared_prompt_logits(model, prompts, responses, pad_id: int, distinct: list
     index = {p: i for i, p in enumerate(distinct)}
     rows = torch.tensor([index[tuple(p)] for p in prompts], device=device)  # [N] -> distinct prompt
     p_ids, p_attn, r_ids = p_ids.to(device), p_attn.to(device), r_ids.to(device)
-    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_kw = "cache" if "cache" in inspect.signature(_base(model).forward).parameters else "past_key_values"
     cache = DynamicCache(config=model.config)
     first = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0),
                   use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits[rows]  # [N, 1, V]
@@ -110,8 +110,15 @@ def _shared_prompt_logits(model, prompts, responses, pad_id: int, distinct: list
     return torch.cat([first, rest], dim=1), r_ids
 
 
+def _base(model):
+    """The transformers model under a peft adapter (whose ``forward`` takes ``**kwargs`` and passes them
+    on), else ``model``; duck-typed, as this module does not import peft."""
+    return model.get_base_model() if hasattr(type(model), "get_base_model") else model
+
+
 def _checkpointing(model) -> bool:
     """Whether activation checkpointing is on (transformers 5 name, old name on 4.x)."""
+    model = _base(model)
     for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         if hasattr(type(model), name):
             return bool(getattr(model, name))

@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from tba.adapters import adapter_off, has_adapter, pack_adapter
 from tba.config import LossConfig, TrainerConfig
 from tba.losses import LOSSES, LossInputs
 from tba.scoring import token_logprobs
@@ -59,7 +60,8 @@ class Trainer:
     """One optimizer step per :meth:`step` on a B x K batch, with gradient accumulation.
 
     Args:
-        model: the policy (float32 master weights; trained under bf16 autocast when ``autocast_dtype``).
+        model: the policy (float32 master weights; trained under bf16 autocast when ``autocast_dtype``); a
+            peft model (:func:`tba.adapters.add_adapter`) trains its adapter only.
         pad_id: tokenizer pad id.
         cfg: the ``trainer`` config section (lr and its schedule, the beta anneal, clipping, micro batch).
         loss: the ``loss`` config section (objective name and its hyper-parameters).
@@ -67,7 +69,9 @@ class Trainer:
         autocast_dtype: e.g. torch.bfloat16; None computes in float32.
         ref_model: frozen reference model pi_ref (eval mode, on the policy's device) when the trainer scores
             it (``model.reference_on: trainer``): samples that arrive without ``ref_logprobs`` are scored
-            here, once per draw. None: every sample must carry them.
+            here, once per draw. ``model`` itself when it holds an adapter: pi_ref is then its base, scored
+            with the adapter off under the policy's autocast (so an untrained adapter scores pi_ref exactly).
+            None: every sample must carry them.
 
     Raises:
         ValueError: ``loss.name`` is not a key of :data:`tba.losses.LOSSES`.
@@ -84,7 +88,9 @@ class Trainer:
         self.temperature = temperature
         self.autocast_dtype = autocast_dtype
         self.ref_model = ref_model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        # a peft model's base is frozen: AdamW holds state for the adapter only
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_schedule, cfg.max_steps, cfg.warmup_steps,
                                          cfg.decay_steps)
         self.step_count = 0
@@ -133,10 +139,12 @@ class Trainer:
             raise ValueError("samples arrived without reference log-probs and the trainer has no reference model "
                              "(model.reference_on must be the same for searchers and trainer)")
         mb = self.cfg.micro_batch_size
-        for i in range(0, len(todo), mb):
-            part = todo[i:i + mb]
-            lp, mask = token_logprobs(self.ref_model, [s.prompt_ids for s in part], [s.response_ids for s in part],
-                                      self.temperature, self.pad_id)
+        own = self.ref_model is self.model  # the policy's base, with the adapter off
+        with adapter_off(self.ref_model) as ref, self._autocast() if own else contextlib.nullcontext():
+            parts = [todo[i:i + mb] for i in range(0, len(todo), mb)]
+            scored = [token_logprobs(ref, [s.prompt_ids for s in part], [s.response_ids for s in part],
+                                     self.temperature, self.pad_id) for part in parts]
+        for part, (lp, mask) in zip(parts, scored):
             for s, row, m in zip(part, lp.float().cpu(), mask):
                 s.ref_logprobs = row[: int(m.sum())].tolist()
 
@@ -175,7 +183,7 @@ class Trainer:
         else:
             self._backward_micro(prompts, responses, torch.autograd.grad(loss, inp.logp)[0])
         # max_norm inf measures the norm and scales nothing
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip or math.inf))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf))
         skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
         if skipped:
             self.skipped_steps += 1
@@ -208,8 +216,9 @@ class Trainer:
 
     def publish_weights(self, dtype: torch.dtype | None = None) -> PackedWeights:
         """The policy weights for the searchers, packed in one CPU buffer and cast to ``dtype`` (see
-        :func:`tba.weights.pack_weights`; bf16 halves the bytes)."""
-        return pack_weights(self.model, dtype)
+        :func:`tba.weights.pack_weights`; bf16 halves the bytes); with an adapter, the adapter only
+        (:func:`tba.adapters.pack_adapter`)."""
+        return pack_adapter(self.model, dtype) if has_adapter(self.model) else pack_weights(self.model, dtype)
 
 
 def _pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:

@@ -72,7 +72,11 @@ class PackedWeights:
     Attributes:
         entries: ``(name, dtype, shape, byte_offset)`` per stored tensor, dtype as ``str(torch.dtype)``.
         data: uint8 numpy array [total bytes]; each tensor starts at a 64-byte-aligned offset.
+        adapter: None for full weights; for a LoRA adapter (``model.lora``) its PEFT ``LoraConfig`` as a
+            JSON-safe dict (what ``adapter_config.json`` holds), and the entries are the adapter's tensors
+            under PEFT's saved names (``...q_proj.lora_A.weight``, as ``get_peft_model_state_dict`` gives them).
     """
 
     entries: list
     data: object
+    adapter: dict | None = None

@@ -38,7 +38,14 @@ def pack_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Pa
     Returns:
         :class:`PackedWeights`, ~2 bytes per parameter for bf16, tied parameters once.
     """
-    tensors, entries, nbytes = _unique_tensors(model), [], 0
+    return pack_tensors(_unique_tensors(model), dtype)
+
+
+def pack_tensors(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
+                 adapter: dict | None = None) -> PackedWeights:
+    """Copy named tensors (any device) into one CPU byte buffer, floating ones cast to ``dtype``
+    (:func:`pack_weights` for a whole model; a LoRA adapter's tensors with its ``adapter`` config)."""
+    entries, nbytes = [], 0
     for name, t in tensors:
         out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
         entries.append((name, str(out_dtype).removeprefix("torch."), tuple(t.shape), nbytes))
@@ -47,16 +54,19 @@ def pack_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Pa
     with torch.no_grad():
         for (_, dt, shape, off), (_, t) in zip(entries, tensors):
             _view(flat, dt, shape, off).copy_(t)  # casts and moves to CPU in one pass
-    return PackedWeights(entries=entries, data=flat.numpy())
+    return PackedWeights(entries=entries, data=flat.numpy(), adapter=adapter)
 
 
 def load_packed_weights(model: torch.nn.Module, packed: PackedWeights) -> None:
     """Copy :func:`pack_weights` output into ``model`` in place (cast to the model's dtypes).
 
     Raises:
-        ValueError: the pack's tensor names or shapes differ from ``model``'s (a different architecture);
-            nothing is loaded then.
+        ValueError: the pack's tensor names or shapes differ from ``model``'s (a different architecture), or
+            it holds a LoRA adapter (:func:`tba.adapters.load_adapter` loads those); nothing is loaded then.
     """
+    if packed.adapter is not None:
+        raise ValueError("published weights are a LoRA adapter, but this model has none (model.lora.r must be "
+                         "the same for searchers and trainer)")
     target = dict(_unique_tensors(model))
     names = {name for name, *_ in packed.entries}
     if names != set(target) or any(tuple(target[n].shape) != tuple(s) for n, _, s, _ in packed.entries):

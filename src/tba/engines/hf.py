@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from tba.adapters import has_adapter, load_adapter
 from tba.engines.base import Generation
 from tba.types import PackedWeights
 from tba.weights import load_packed_weights
@@ -51,8 +52,10 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.eos_ids = set(_as_list(model.generation_config.eos_token_id) or [tokenizer.eos_token_id])
-        # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns, later fails)
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns, later fails); a peft
+        # model's forward takes **kwargs and passes them on, so ask its base model
+        base = model.get_base_model() if has_adapter(model) else model
+        self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
         # Rows of different widths can be joined only where every layer keeps its whole history; a sliding
         # window layer keeps a fixed-width tail, so such models decode one batch of prompts at a time.
         self.continuous_batching = all(type(layer) is DynamicLayer
@@ -120,12 +123,17 @@ class HFEngine:
         return out.results(len(prompts), k)
 
     def load_weights(self, packed: PackedWeights) -> None:
-        """Copy published weights into the model in place (cast to its dtype); see :class:`Engine`.
+        """Copy published weights into the model in place (cast to its dtype): full weights, or a LoRA
+        adapter into the model's adapter (:func:`tba.adapters.load_adapter`; the base stays); see :class:`Engine`.
 
         Raises:
-            ValueError: the weights are of a different architecture (nothing is loaded then).
+            ValueError: the weights are of a different architecture or adapter, or an adapter for a model
+                without one (nothing is loaded then).
         """
-        load_packed_weights(self.model, packed)
+        if packed.adapter is not None or has_adapter(self.model):
+            load_adapter(self.model, packed)
+        else:
+            load_packed_weights(self.model, packed)
 
     def close(self) -> None:
         """Nothing to stop: the engine holds no process or cache between calls."""

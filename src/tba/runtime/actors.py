@@ -6,6 +6,7 @@ Each actor owns one plain object and forwards calls to it; what runs where, and 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import ray
@@ -168,7 +169,16 @@ class TrainerActor:
         return t.step_count
 
     def save(self, path: str) -> str:
-        """Save the policy and tokenizer in Hugging Face format."""
-        self.trainer.model.save_pretrained(path)
+        """Save the policy and tokenizer in Hugging Face format: with a LoRA adapter a PEFT adapter folder
+        (``PeftModel.from_pretrained(base, path)`` loads it) and, with ``trainer.save_merged``, the adapter
+        merged into a copy of the base weights under ``path/merged``."""
+        from tba.adapters import has_adapter
+
+        model = self.trainer.model
+        model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+        if has_adapter(model) and self.cfg.trainer.save_merged:
+            merged = copy.deepcopy(model).merge_and_unload()
+            merged.save_pretrained(f"{path}/merged")
+            self.tokenizer.save_pretrained(f"{path}/merged")
         return path

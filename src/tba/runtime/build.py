@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
+from tba.adapters import add_adapter
 from tba.config import Config
 from tba.engines.base import Engine
 from tba.engines.hf import HFEngine
 from tba.models import enable_activation_checkpointing, load_causal_lm, load_tokenizer, pick_dtype, truncated_copy
-from tba.placement import vllm_memory_share
+from tba.placement import reference_location, vllm_memory_share
 from tba.searcher import Searcher
 from tba.tasks import build_task
 from tba.trainer import Trainer
@@ -53,6 +54,8 @@ def build_engine(cfg: Config, policy_path: str, tokenizer, seed: int, task, prob
                             max_num_seqs=cfg.searcher.max_num_seqs, threads=cfg.searcher.threads, seed=seed,
                             gpu_memory_utilization=vllm_memory_share(cfg))
     policy = load_causal_lm(policy_path, dtype, cfg.model.num_hidden_layers).to(device)
+    if cfg.model.lora.r:  # an untrained adapter: the published ones are copied into it
+        policy = add_adapter(policy, cfg.model.lora).eval()
     return HFEngine(policy, tokenizer, cfg.searcher.max_num_seqs)
 
 
@@ -90,7 +93,9 @@ def _vllm_engine(cfg: Config, policy_path: str, tokenizer, task, problems, **eng
 
 def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: int) -> Searcher:
     """A searcher with its own policy copy in its engine and, unless the trainer scores pi_ref
-    (``model.reference_on``), its own reference model, both in the generation dtype on ``model.device``."""
+    (``model.reference_on``), its own reference model, both in the generation dtype on ``model.device``.
+    With a LoRA adapter on the hf engine the reference is the engine's own base with the adapter off (no
+    second copy; :func:`reference_location`)."""
     torch.set_num_threads(cfg.searcher.threads)
     seed = cfg.run.seed + 1000 * (searcher_id + 1)  # distinct sampling streams per searcher
     torch.manual_seed(seed)
@@ -99,7 +104,9 @@ def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: in
     problem_ids = shard(len(task.train), cfg.searcher.num_searchers, searcher_id)
     engine = build_engine(cfg, policy_path, tok, seed, task, problem_ids)
     ref = None
-    if cfg.model.reference_on == "searcher":
+    if reference_location(cfg) == "searcher-base":
+        ref = engine.model
+    elif cfg.model.reference_on == "searcher":
         ref = load_causal_lm(ref_path, pick_dtype(cfg.model.dtype), cfg.model.num_hidden_layers).to(_device(cfg))
     return Searcher(engine, ref, task, tok, problem_ids, searcher_id, cfg.searcher,
                     score_micro_batch=cfg.trainer.micro_batch_size, seed=cfg.run.seed)
@@ -121,8 +128,12 @@ def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None) ->
     compute = pick_dtype(cfg.model.dtype)
     if cfg.trainer.gradient_checkpointing:
         enable_activation_checkpointing(model)
+    if cfg.model.lora.r:
+        model = add_adapter(model, cfg.model.lora)
     ref = None
-    if cfg.model.reference_on == "trainer":
+    if reference_location(cfg) == "trainer-base":
+        ref = model
+    elif cfg.model.reference_on == "trainer":
         if ref_path is None:
             raise ValueError("model.reference_on is 'trainer': build_trainer needs the reference model's path")
         ref = load_causal_lm(ref_path, compute, cfg.model.num_hidden_layers).to(device)

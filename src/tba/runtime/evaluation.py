@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+from tba.adapters import has_adapter
 from tba.config import Config
 from tba.runtime.build import build_eval_engine, generation_dtype
 
@@ -30,8 +31,13 @@ class PolicyEvaluator:
         self._vllm = None
 
     def evaluate(self, trainer) -> dict:
-        """The task's held-out metrics for ``trainer``'s current policy (left in train mode afterwards)."""
-        model = copy.deepcopy(trainer.model).to(self.gen_dtype).eval()
+        """The task's held-out metrics for ``trainer``'s current policy (left in train mode afterwards); a
+        LoRA adapter is merged into the copy's weights (peft's ``merge_and_unload``, in float32 before the
+        cast), so the hf engine decodes a plain model."""
+        model = copy.deepcopy(trainer.model)
+        if has_adapter(model):
+            model = model.merge_and_unload()
+        model = model.to(self.gen_dtype).eval()
         if self.cfg.run.eval_engine == "vllm":
             if self._vllm is None:
                 self._vllm = build_eval_engine(self.cfg, self.policy_path, model, self.tokenizer, self.task)
