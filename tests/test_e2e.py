@@ -338,3 +338,44 @@ def test_non_finite_steps_stop_with_checkpoint(tmp_path, cli):
     records = read_metrics(out / "metrics.jsonl")
     assert [rec["train/skipped"] for rec in records][-3:] == [1.0, 1.0, 1.0]
     assert (out / "checkpoint" / "driver.json").is_file()
+
+
+def test_lora_sync_run_saves_an_adapter_and_resumes_exactly(tmp_path, model_path, cli):
+    """``--model.lora.r``: the reference is the hf searchers' base with the adapter off, the checkpoint
+    holds the adapter only, final/ is a PEFT adapter folder (and merged weights with trainer.save_merged),
+    and a sync run resumed from its step-2 checkpoint ends with the same adapter, bit for bit. bf16: the
+    searchers' bf16 base scores pi_ref a little differently from the trainer's float32 master weights under
+    autocast, so TB has a gradient though the 2-layer model's rewards are all 0 (as in the async test)."""
+    import shutil
+
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "lora"
+    args = [*TINY, "--max-steps", "4", "--mode", "sync", "--model.lora.r", "8", "--model.dtype", "bfloat16",
+            "--run.checkpoint_every", "2", "--trainer.save_merged", "true", "--run.eval_before", "false",
+            "--run.eval_after", "false", "--output-dir", str(out)]
+    r = cli.run(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "LoRA r=8, reference = the searcher's base with the adapter off" in r.stdout
+    trained = load_file(out / "checkpoint" / "policy.safetensors")
+    assert trained and all("lora_" in name for name in trained)
+    first = load_file(out / "final" / "adapter_model.safetensors")
+    shutil.rmtree(out / "final")
+
+    r = cli.run(["--resume", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed at trainer step 2" in r.stdout
+    again = load_file(out / "final" / "adapter_model.safetensors")
+    assert set(again) == set(first) and all(torch.equal(again[n], first[n]) for n in first)
+    assert any(t.abs().max() > 0 for n, t in again.items() if "lora_B" in n)  # the adapter was trained
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, num_hidden_layers=2)
+    policy = PeftModel.from_pretrained(base, out / "final").eval()
+    merged = AutoModelForCausalLM.from_pretrained(out / "final" / "merged").eval()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.allclose(policy(ids).logits, merged(ids).logits, atol=1e-4)
+    cli.assert_nothing_left()

@@ -493,3 +493,11 @@ def test_builders_put_the_reference_where_the_config_says(model_path):
         assert all((s.ref_logprobs is None) == (where == "trainer") for s in samples)
         trainer.step(Batch(samples, 2))
         assert all(len(s.ref_logprobs) == len(s.response_ids) for s in samples)
+    # with a LoRA adapter pi_ref is the base with the adapter off: the trainer's own policy, or the hf
+    # searcher's engine model, never a second copy
+    for where in ("searcher", "trainer"):
+        cfg = Config.model_validate({**base, "model": {**base["model"], "reference_on": where, "lora": {"r": 4}}})
+        searcher = build_searcher(cfg, model_path, model_path, 0)
+        trainer, _ = build_trainer(cfg, model_path, model_path)
+        assert (searcher.ref_model is searcher.engine.model) == (where == "searcher")
+        assert (trainer.ref_model is trainer.model) == (where == "trainer")

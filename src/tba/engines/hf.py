@@ -130,7 +130,7 @@ class HFEngine:
             ValueError: the weights are of a different architecture or adapter, or an adapter for a model
                 without one (nothing is loaded then).
         """
-        if packed.adapter is not None or has_adapter(self.model):
+        if has_adapter(self.model):
             load_adapter(self.model, packed)
         else:
             load_packed_weights(self.model, packed)
