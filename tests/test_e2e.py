@@ -146,6 +146,8 @@ def test_ctrl_c_stops_cleanly(tmp_path, sig, cli):
     saved = json.loads((out / "checkpoint" / "driver.json").read_text())["step"]
     steps = [rec["step"] for rec in read_metrics(metrics) if "loss/tb" in rec]
     assert steps == list(range(1, saved + 1))
+    if sig == signal.SIGINT:
+        return  # both signals write the same checkpoint: resuming it once is enough (suite time)
     r = cli.run(["--resume", str(out), "--max-steps", str(saved + 2), "--run.eval_after", "false",
                  "--trainer.save_final", "false"])
     assert r.returncode == 0, r.stderr[-3000:]
