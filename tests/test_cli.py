@@ -99,3 +99,18 @@ def test_print_config_prints_the_resolved_config_and_starts_nothing(tmp_path, ca
     assert not run.exists()
     assert main(["train", QUICKSTART, "--trainer.lr", "-1", "--print-config"]) == 2  # validated like a run
     assert "trainer.lr: Input should be greater than 0" in capsys.readouterr().err
+
+
+def test_summary_names_sync_check_warnings(capsys):
+    """The end-of-run summary says when sync checks warned (published weights may not have reached an engine),
+    and says nothing of it on a working sync."""
+    from tba.cli import print_summary
+
+    summary = {"trainer_steps": 4, "samples_generated": 32, "wall_s": 10.0, "train_wall_s": 8.0,
+               "trainer_idle_frac": 0.1, "staleness_mean": 0.5, "staleness_max": 1, "searcher_max_version": 4,
+               "searcher_restarts": 0, "reward_failures": 0, "run_dir": "runs/x", "sync_gap_warnings": 0}
+    print_summary(summary)
+    assert "sync check" not in capsys.readouterr().out
+    print_summary({**summary, "sync_gap_warnings": 2})
+    assert "\nwarning: 2 sync checks found a searcher engine's log-probs far from the trainer's" in \
+        capsys.readouterr().out

@@ -11,6 +11,7 @@ import time
 import pytest
 from conftest import patched_env
 
+from tba.config import SearcherConfig
 from tba.logger import read_metrics
 
 TINY = [
@@ -55,6 +56,10 @@ def test_async_run_end_to_end(tmp_path, model_path, cli):
     # staleness lies in [0, s - 1] (the 2k - 1 bound of the recent branch is tested in test_buffer.py)
     assert all(0 <= rec["buffer/staleness_mean"] <= rec["buffer/staleness_max"] <= rec["step"] - 1
                for rec in records)
+    # the published weights reached the searchers' engine: the sync check's gap is bf16 precision, no warning
+    gaps = [rec["sync/logprob_gap"] for rec in records if "sync/logprob_gap" in rec]
+    assert gaps and max(gaps) < SearcherConfig().sync_gap_bound, gaps
+    assert records[-1]["sync/gap_warnings"] == 0
     assert (out / "learning_curve.png").stat().st_size > 1000
     assert any((out / "tb").iterdir())
     assert "sync_period: 2" in (out / "config.yaml").read_text()
@@ -90,6 +95,10 @@ def test_sync_mode_is_on_policy(tmp_path, cli):
     records = read_metrics(out / "metrics.jsonl")
     assert len(records) == 3
     assert all(rec["buffer/staleness_max"] == 0 and rec["buffer/on_policy_frac"] == 1.0 for rec in records)
+    # every sample is of the trained weights: behaviour and trainer log-probs differ by bf16 precision only
+    assert all(0 < rec["train/fresh_behaviour_gap"] < SearcherConfig().sync_gap_bound for rec in records)
+    # the searchers load version t - 1 before generating the batch of step t, and check it
+    assert [rec["step"] for rec in records if "sync/logprob_gap" in rec] == [2, 3]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["searcher_max_version"] == 2 and summary["staleness_max"] == 0
     # the synchronous trainer waits for every batch's generation, so it is idle part of the loop

@@ -10,6 +10,7 @@ import signal
 import pytest
 from test_e2e import TINY
 
+from tba.config import SearcherConfig
 from tba.logger import read_metrics
 
 pytest.importorskip("vllm")
@@ -32,6 +33,11 @@ def test_vllm_searchers_get_weights_and_record_versions(tmp_path, cli):
     # checkpoint at step 3 follows the publication of version 3)
     assert max(versions) >= 1 and versions <= set(range(0, 4))
     assert all(len(s["logprobs"]) == len(s["response_ids"]) == len(s["ref_logprobs"]) for _, s in saved)
+    # the sync check on the vLLM engine (vLLM's prompt log-probs): bf16 precision after every load, no warning
+    records = [rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec]
+    gaps = [rec["sync/logprob_gap"] for rec in records if "sync/logprob_gap" in rec]
+    assert gaps and max(gaps) < SearcherConfig().sync_gap_bound, gaps
+    assert records[-1]["sync/gap_warnings"] == 0
     cli.assert_nothing_left()
 
 

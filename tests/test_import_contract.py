@@ -22,7 +22,8 @@ PURE_RUNTIME = ("tba.runtime.cadence", "tba.runtime.state", "tba.runtime.exchang
 MAY_IMPORT = {
     **dict.fromkeys(L1, ()),  # rule 1: types and config import nothing from the package
     **dict.fromkeys(L2, L1),  # rule 2: only types and config ...
-    "tba.engines": L1 + ("tba.weights", "tba.adapters"),  # ... engines what an engine's load_weights unpacks
+    # ... engines what an engine's load_weights unpacks, and the scoring an engine's score runs
+    "tba.engines": L1 + ("tba.weights", "tba.adapters", "tba.scoring"),
     "tba.adapters": L1 + ("tba.weights",),  # ... and adapters the packing they extend
     "tba.tasks": L1 + L2,  # rule 3: tasks build on layer 2; checkpoint and logger import nothing
     "tba.checkpoint": (), "tba.logger": (),

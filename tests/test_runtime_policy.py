@@ -97,3 +97,23 @@ def test_searcher_metrics_average_between_drains():
     restored = SearcherMetrics()
     restored.load_state_dict(m.state_dict())
     assert restored.summary(drain=False)["buffer/samples_added"] == 12.0
+
+
+def test_searcher_metrics_count_sync_gap_warnings_over_the_run():
+    """``sync/gap_warnings``: each batch reports its new warnings; the buffer actor keeps the run's total (not a
+    mean) through drains and checkpoints. ``sync/logprob_gap`` is a mean over the batches that have one."""
+    m = SearcherMetrics()
+    assert m.summary(drain=True)["sync/gap_warnings"] == 0.0
+    m.add(4, {"sync/gap_warnings": 1.0, "sync/logprob_gap": 0.9}, searcher_id=0, version=2)
+    m.add(4, {"sync/gap_warnings": 0.0, "sync/logprob_gap": 0.1}, searcher_id=1, version=2)
+    m.add(4, {"sync/gap_warnings": 1.0}, searcher_id=0, version=2)
+    out = m.summary(drain=True)
+    assert out["sync/gap_warnings"] == 2.0 and out["sync/logprob_gap"] == pytest.approx(0.5)
+    out = m.summary(drain=True)
+    assert out["sync/gap_warnings"] == 2.0 and "sync/logprob_gap" not in out
+    restored = SearcherMetrics()
+    restored.load_state_dict(m.state_dict())
+    assert restored.summary(drain=False)["sync/gap_warnings"] == 2.0
+    older = SearcherMetrics()  # a checkpoint from before the sync check
+    older.load_state_dict({"samples_added": 3, "reward_failures": 0})
+    assert older.summary(drain=False)["sync/gap_warnings"] == 0.0

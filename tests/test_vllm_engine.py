@@ -6,6 +6,7 @@ in ~3-5 s in-process); tests that swap weights into the shared engine put the ba
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
@@ -216,17 +217,75 @@ def test_seed(engine, prompts):
     assert ids[0][1:] != ids[1][:-1] and ids[0] != ids[1]
 
 
+def test_score_equals_sampled_and_transformers_logprobs(engine, hf_model, prompts, tokenizer):
+    """``score`` (vLLM's prompt log-probs) gives, at temperature 1, the log-probs the engine sampled with and
+    transformers' ``token_logprobs`` (float32, 1e-4; measured max ~2e-5); other temperatures are refused
+    (vLLM's prompt log-probs skip the temperature: seen as a 0.3-nat gap at 0.7 before the check); a prompt
+    + response longer than the context gets the log-probs of the tokens that fit."""
+    gens = engine.generate(prompts, 2, 16, 1.0, seed=0)
+    flat_p = [p for p, grp in zip(prompts, gens) for _ in grp]
+    flat = [g for grp in gens for g in grp]
+    scored = engine.score(flat_p, [g.response_ids for g in flat])
+    for (hf, vl), lp in zip(_rescore(hf_model, prompts, gens, 1.0, tokenizer.pad_token_id), scored):
+        assert torch.allclose(torch.tensor(lp), vl, atol=1e-4) and torch.allclose(torch.tensor(lp), hf, atol=1e-4)
+    with pytest.raises(ValueError, match="temperature 1 only"):
+        engine.score(flat_p, [g.response_ids for g in flat], 0.7)
+    long = list(range(1000, 1000 + MAX_LEN))  # prompt + response > MAX_LEN tokens
+    cut = engine.score([prompts[0], prompts[0] * 100], [long, [5]])
+    assert len(cut[0]) == MAX_LEN - 1 - len(prompts[0]) and cut[1] == []
+    with torch.no_grad():
+        want, _ = token_logprobs(hf_model, [prompts[0]], [long[: len(cut[0])]], 1.0, tokenizer.pad_token_id)
+    assert torch.allclose(torch.tensor(cut[0]), want[0], atol=1e-3)
+
+
+def test_sync_check_on_a_vllm_searcher(engine, hf_model, model_dir, tokenizer, caplog):
+    """The searcher's sync check with a vLLM engine: after ``load_weights`` of the trainer's publication the
+    probe gap is float noise (float32, < 1e-3); with the engine left on those weights while the trainer moves
+    on, the gap is above the default bound and a warning names the searcher and version."""
+    from tba.config import Config, LossConfig, SearcherConfig, TaskConfig, TrainerConfig
+    from tba.searcher import Searcher
+    from tba.tasks import build_task
+    from tba.trainer import Trainer
+    from tba.types import Batch
+
+    task = build_task(Config(task=TaskConfig(
+        name="reasoning_gym:chain_sum", options={"min_terms": 2, "max_terms": 2, "max_digits": 1}, train_size=4,
+        eval_size=1)))
+    cfg = SearcherConfig(prompts_per_batch=2, samples_per_prompt=4, max_new_tokens=12)
+    searcher = Searcher(engine, None, task, tokenizer, [0, 1, 2, 3], 0, cfg, score_micro_batch=16, seed=0)
+    task.reward = lambda text, problem: min(len(text), 24) / 24  # dense: tied groups would leave the policy as it is
+    trainer = Trainer(load_causal_lm(model_dir, torch.float32), tokenizer.pad_token_id,
+                      TrainerConfig(lr=1e-3, lr_schedule="constant"), LossConfig(), temperature=0.7,
+                      ref_model=hf_model)
+    caplog.set_level(logging.WARNING, logger="tba.searcher")
+    try:
+        batch = Batch(searcher.step()[0], 4)
+        trainer.step(batch)
+        searcher.load_weights(1, trainer.publish_weights(torch.float32))
+        assert searcher.sync_gap < 1e-3 and not [r for r in caplog.records if r.name == "tba.searcher"]
+        for _ in range(2):
+            trainer.step(batch)
+        assert searcher.check_sync(3, trainer.probe()) > cfg.sync_gap_bound  # the engine still has version 1
+        assert "searcher 0: policy version 3: the engine's log-probs differ" in caplog.text
+        _, metrics = searcher.step()
+        assert metrics["sync/gap_warnings"] == 1 and metrics["sync/logprob_gap"] > cfg.sync_gap_bound
+    finally:
+        engine.load_weights(pack_weights(hf_model, torch.float32))
+
+
 def test_both_engines_take_the_protocols_arguments():
     """Every argument of ``Engine.generate`` (``min_new_tokens`` included, which benchmarks force lengths
-    with) is taken by both engines with the same default, so a caller never has to know which it holds."""
+    with) and ``Engine.score`` is taken by both engines with the same default, so a caller never has to know
+    which it holds."""
     import inspect
 
     from tba.engines.hf import HFEngine
 
-    want = {n: p.default for n, p in inspect.signature(Engine.generate).parameters.items()}
-    for cls in (HFEngine, VLLMEngine):
-        have = {n: p.default for n, p in inspect.signature(cls.generate).parameters.items()}
-        assert {n: have.get(n, "missing") for n in want} == want, cls.__name__
+    for method in ("generate", "score"):
+        want = {n: p.default for n, p in inspect.signature(getattr(Engine, method)).parameters.items()}
+        for cls in (HFEngine, VLLMEngine):
+            have = {n: p.default for n, p in inspect.signature(getattr(cls, method)).parameters.items()}
+            assert {n: have.get(n, "missing") for n in want} == want, (cls.__name__, method)
 
 
 def _non_daemon_threads() -> set[int]:

@@ -40,6 +40,7 @@ class RunSummary(TypedDict, total=False):
     searcher_restarts: int  #: searchers restarted after a crash
     searcher_nodes: list[str]  #: the Ray nodes the searchers ran on
     reward_failures: int  #: reward calls that raised, timed out or returned a non-number
+    sync_gap_warnings: int  #: sync checks whose log-prob gap exceeded searcher.sync_gap_bound (0 = weights arrived)
     staleness_mean: float  #: mean over steps of (trainer step - policy version of the trained samples)
     staleness_max: float  #: its largest value
     trainer_idle_frac: float  #: share of the training time the trainer waited for samples
@@ -101,6 +102,7 @@ def train(config: Config | str | os.PathLike | None = None, *, overrides: Mappin
         "searcher_max_version": int(stats["searcher/max_version"]),
         "searcher_restarts": state.searcher_restarts,
         "reward_failures": int(stats["searcher/reward_failures_total"]),
+        "sync_gap_warnings": int(stats["sync/gap_warnings"]),
         "staleness_mean": state.staleness_sum / max(1, state.step),
         "staleness_max": state.staleness_max,
         "trainer_idle_frac": state.trainer_idle_frac,

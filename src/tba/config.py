@@ -147,6 +147,13 @@ class SearcherConfig(_Section):
         description="If set, each generation batch samples at a temperature drawn uniformly from [low, high] "
         "(paper red-teaming: [0.7, 2.0]); log-probs for the loss still use `temperature`.",
     )
+    sync_gap_bound: Optional[float] = Field(
+        0.06, gt=0, description="Sync check: after loading published weights a searcher scores the trainer's probe "
+        "responses with its engine; a mean |engine - trainer| log-prob gap (sync/logprob_gap) above this many nats "
+        "per token logs a warning and counts in sync/gap_warnings. None = log the gap, never warn. Measured on "
+        "SmolLM2-135M (benchmarks/README.md, 'Sync check'): a correct sync leaves at most 0.046 in bf16 (1e-5 in "
+        "float32); an engine left on the initial weights is at 0.076 or more by the quickstart's first publication.",
+    )
     receive_weights: bool = Field(
         True, description="False: searchers keep the initial policy for the whole run, so the behaviour policy is "
         "pi_ref throughout (the fully off-policy study arm); no weights are published.",

@@ -18,7 +18,7 @@ from tba.config import SearcherConfig
 from tba.engines.base import Engine
 from tba.scoring import token_logprobs
 from tba.tasks.base import Task
-from tba.types import PackedWeights, Sample
+from tba.types import PackedWeights, Probe, Sample
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,13 @@ class Searcher:
         self._prompt_ids = {i: task.encode(tokenizer, task.train[i]) for i in self.problem_ids}
         self.reward_failures = 0
         self.last_reward_error: str | None = None  # the newest failure's reason, for the run's error line
+        self.sync_gap: float | None = None  # the newest sync check's gap, reported with the next batch
+        self._gap_warnings = 0  # sync checks over searcher.sync_gap_bound since the last batch
 
     def load_weights(self, version: int, weights: PackedWeights) -> None:
         """Load published policy weights (:meth:`Trainer.publish_weights`) into the engine, in place; samples
-        generated from now on record ``version``, the weights the engine has.
+        generated from now on record ``version``, the weights the engine has. Then the sync check
+        (:meth:`check_sync`) on the pack's probe, if it has one.
 
         Raises:
             ValueError: the weights are of a different architecture (the old ones stay, and so does the
@@ -75,6 +78,40 @@ class Searcher:
         """
         self.engine.load_weights(weights)
         self.version = version
+        if weights.probe is not None:
+            self.check_sync(version, weights.probe)
+
+    def check_sync(self, version: int, probe: Probe) -> float | None:
+        """The sync check: score the trainer's probe responses with the engine and compare with the trainer's
+        log-probs of the same weights. The gap, mean |engine - trainer| log-prob over the probe's tokens
+        (nats per token), goes into the next batch's metrics as ``sync/logprob_gap``; above
+        ``searcher.sync_gap_bound`` it is a warning line and counts in ``sync/gap_warnings``. A correct sync
+        leaves only precision in it (bf16 against the trainer's autocast); weights that never reached the
+        engine leave the policy's change since (measured: benchmarks/README.md, "Sync check").
+
+        Returns:
+            the gap, or None when the engine could not score the probe (logged as a warning).
+        """
+        try:
+            scored = self.engine.score(probe.prompt_ids, probe.response_ids, probe.temperature)
+            lengths, full = [len(x) for x in scored], [len(r) for r in probe.response_ids]
+            # an engine with a shorter context scores a prefix of a response (Engine.score)
+            if len(lengths) != len(full) or any(n > m for n, m in zip(lengths, full)) or not sum(lengths):
+                raise ValueError(f"log-probs for {lengths} tokens of responses of {full}")
+        except Exception as e:  # noqa: BLE001 - a check that cannot run is reported, never fatal
+            log.warning("searcher %d: sync check of policy version %d skipped: the engine could not score the "
+                        "probe (%s: %s)", self.searcher_id, version, type(e).__name__, e)
+            return None
+        diffs = [abs(a - b) for mine, theirs in zip(scored, probe.logprobs) for a, b in zip(mine, theirs)]
+        gap = sum(diffs) / len(diffs)
+        self.sync_gap = gap
+        bound = self.cfg.sync_gap_bound
+        if bound is not None and not gap <= bound:  # NaN counts as over
+            self._gap_warnings += 1
+            log.warning("searcher %d: policy version %d: the engine's log-probs differ from the trainer's by %.3f "
+                        "nats per token on the probe responses (searcher.sync_gap_bound %g): the published weights "
+                        "may not have reached the engine", self.searcher_id, version, gap, bound)
+        return gap
 
     def next_prompts(self) -> list[int]:
         """The next ``searcher.prompts_per_batch`` problem ids: shuffled epochs over the shard, no repeats
@@ -97,7 +134,8 @@ class Searcher:
 
         Returns:
             (samples, metrics) with ``searcher/*`` keys (reward mean, failures, tokens/s in generated tokens
-            per second of this call).
+            per second of this call), ``sync/gap_warnings`` (sync checks over the bound since the previous
+            batch) and, after a sync check, its ``sync/logprob_gap``.
         """
         t0 = time.perf_counter()
         pids = self.next_prompts()
@@ -132,7 +170,11 @@ class Searcher:
             "searcher/gen_tokens_per_s": n_tokens / max(t_gen, 1e-9),
             "searcher/response_len_mean": n_tokens / max(1, len(flat)),
             "searcher/step_s": time.perf_counter() - t0,
+            "sync/gap_warnings": float(self._gap_warnings),
         }
+        if self.sync_gap is not None:
+            metrics["sync/logprob_gap"] = self.sync_gap
+        self.sync_gap, self._gap_warnings = None, 0
         return samples, metrics
 
     def _score(self, texts: list[str], problems: list) -> list[tuple[float | None, str | None]]:

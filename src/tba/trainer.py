@@ -15,8 +15,11 @@ from tba.adapters import adapter_off, has_adapter, pack_adapter
 from tba.config import LossConfig, TrainerConfig
 from tba.losses import LOSSES, LossInputs
 from tba.scoring import token_logprobs
-from tba.types import Batch, PackedWeights
+from tba.types import Batch, PackedWeights, Probe
 from tba.weights import pack_weights
+
+#: responses in the sync check's probe (:meth:`Trainer.probe`): one per prompt of the first batch, in order
+PROBE_SAMPLES = 4
 
 
 def linear_beta(step: int, beta_start: float, beta_end: float, anneal_steps: int) -> float:
@@ -95,6 +98,8 @@ class Trainer:
                                          cfg.decay_steps)
         self.step_count = 0
         self.skipped_steps = 0
+        # (prompt ids, response ids) of the sync check's probe responses, fixed at the first step (checkpointed)
+        self.probe_tokens: list[tuple[list[int], list[int]]] | None = None
 
     def beta_at(self, step: int) -> float:
         """KL coefficient beta at trainer ``step`` (:func:`linear_beta` over the config's anneal)."""
@@ -167,8 +172,13 @@ class Trainer:
         several micro batches it is evaluated on the whole batch from no-grad log-probs first, then
         dLoss/dlogp is backpropagated micro batch by micro batch. With one micro batch a single forward with
         grad suffices. A non-finite loss or gradient norm skips the update (``train/skipped`` = 1).
+
+        The first batch also fixes the sync check's probe responses (:meth:`probe`).
         """
         t0 = time.perf_counter()
+        step = self.step_count  # a sample's staleness at this step is step - policy_version
+        if self.probe_tokens is None:
+            self.probe_tokens = pick_probe(batch)
         self._score_reference(batch.samples)
         beta = self.beta_at(self.step_count)
         prompts = [s.prompt_ids for s in batch.samples]
@@ -198,6 +208,13 @@ class Trainer:
         # how far the policy's log-probs are from the reference's on these tokens; at step 0, with the
         # policy equal to the reference, anything but 0 is precision (bf16 autocast vs the bf16 reference)
         gap = (inp.logp.detach() - inp.ref_logp) * inp.mask  # [N, T] nats
+        # staleness 0: generated with the weights being trained, so behaviour and trainer log-probs are the same
+        # distribution and differ by precision only (a larger gap: the sync, or the searchers' log-probs, broke)
+        fresh = torch.tensor([s.policy_version == step for s in batch.samples], device=inp.mask.device)
+        if fresh.any():
+            fresh_mask = inp.mask[fresh]
+            fresh_gap = (inp.logp.detach()[fresh] - inp.behaviour_logp[fresh]).abs() * fresh_mask
+            metrics["train/fresh_behaviour_gap"] = float(fresh_gap.sum() / fresh_mask.sum().clamp(min=1))
         metrics.update({
             "train/abs_logratio_token_mean": float(gap.abs().sum() / inp.mask.sum().clamp(min=1)),
             "train/abs_logratio_seq_mean": float(gap.sum(-1).abs().mean()),
@@ -217,8 +234,37 @@ class Trainer:
     def publish_weights(self, dtype: torch.dtype | None = None) -> PackedWeights:
         """The policy weights for the searchers, packed in one CPU buffer and cast to ``dtype`` (see
         :func:`tba.weights.pack_weights`; bf16 halves the bytes); with an adapter, the adapter only
-        (:func:`tba.adapters.pack_adapter`)."""
-        return pack_adapter(self.model, dtype) if has_adapter(self.model) else pack_weights(self.model, dtype)
+        (:func:`tba.adapters.pack_adapter`). The pack carries the sync check's :meth:`probe`."""
+        packed = pack_adapter(self.model, dtype) if has_adapter(self.model) else pack_weights(self.model, dtype)
+        packed.probe = self.probe()
+        return packed
+
+    @torch.no_grad()
+    def probe(self) -> Probe | None:
+        """The probe responses (:attr:`probe_tokens`) with their per-token log-probs under the current policy as
+        the trainer scores it (master weights under its autocast, eval mode) at temperature 1 (which vLLM's
+        scoring needs); a searcher scores the same responses with its engine after loading these weights
+        (``Searcher.load_weights``). None before the first step has fixed them."""
+        if not self.probe_tokens:
+            return None
+        prompts, responses = [list(p) for p, _ in self.probe_tokens], [list(r) for _, r in self.probe_tokens]
+        training = self.model.training
+        self.model.eval()  # no dropout (a LoRA adapter's): the engines score without it
+        try:
+            with self._autocast():
+                lp, mask = token_logprobs(self.model, prompts, responses, 1.0, self.pad_id)
+        finally:
+            self.model.train(training)
+        return Probe(prompts, responses, [row[: int(m.sum())].tolist() for row, m in zip(lp.float().cpu(), mask)],
+                     temperature=1.0)
+
+
+def pick_probe(batch: Batch, n: int = PROBE_SAMPLES) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, response ids) of ``n`` samples of ``batch`` for the sync check: the first response of each
+    prompt in batch order, then the second of each, ... (distinct prompts first)."""
+    k, groups = batch.group_size, batch.num_prompts
+    order = [batch.samples[g * k + j] for j in range(k) for g in range(groups)]
+    return [(list(s.prompt_ids), list(s.response_ids)) for s in order[:n]]
 
 
 def _pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:

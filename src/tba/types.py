@@ -62,6 +62,26 @@ class Batch:
 
 
 @dataclass
+class Probe:
+    """A few fixed responses and the log-probs the trainer's policy gives them, sent with a publication so
+    that each searcher can check the weights reached its engine (the sync check, docs/architecture.md).
+
+    Attributes:
+        prompt_ids: prompt token ids per probe response (no padding).
+        response_ids: response token ids per probe response (no padding).
+        logprobs: the trainer's per-token log-probs of each response (nats), under the published policy as the
+            trainer scores it (float32 master weights under its autocast) at ``temperature``.
+        temperature: the softmax temperature of ``logprobs``; the engine scores at the same one (1: vLLM's
+            prompt log-probs are not temperature-scaled).
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    temperature: float = 1.0
+
+
+@dataclass
 class PackedWeights:
     """Published policy weights in ONE flat byte buffer (trainer -> object store -> searchers).
 
@@ -75,8 +95,11 @@ class PackedWeights:
         adapter: None for full weights; for a LoRA adapter (``model.lora``) its PEFT ``LoraConfig`` as a
             JSON-safe dict (what ``adapter_config.json`` holds), and the entries are the adapter's tensors
             under PEFT's saved names (``...q_proj.lora_A.weight``, as ``get_peft_model_state_dict`` gives them).
+        probe: the trainer's :class:`Probe` for these weights (``Trainer.publish_weights``); None before the
+            trainer has fixed its probe responses (the first training step), and in packs made elsewhere.
     """
 
     entries: list
     data: object
     adapter: dict | None = None
+    probe: Probe | None = None

@@ -55,6 +55,27 @@ class Engine(Protocol):
         """
         ...
 
+    def score(self, prompts: list[list[int]], responses: list[list[int]],
+              temperature: float = 1.0) -> list[list[float]]:
+        """Per-token log-probs of given responses under the engine's current weights (its adapter too, if it
+        holds one): log softmax(logits / temperature) of each response token given the prompt and the tokens
+        before it, no top-k/top-p. The searcher's sync check compares them with the trainer's
+        (:class:`tba.types.Probe`), so they must come from the weights :meth:`generate` samples with.
+
+        Args:
+            prompts: token ids per prompt (no padding), length N.
+            responses: token ids per response (no padding, at least one token), length N; response i
+                continues prompt i.
+            temperature: softmax temperature (> 0). An engine may support 1 only and raise ValueError for
+                others (vLLM's prompt log-probs skip the temperature); the sync check scores at 1.
+
+        Returns:
+            ``out[i][t]``: log p(responses[i][t] | prompts[i], responses[i][:t]) in nats, one per response
+            token; an engine whose context cannot hold a prompt + response returns the tokens that fit (a
+            prefix of them: exact, as a token's log-prob depends only on the tokens before it).
+        """
+        ...
+
     def load_weights(self, packed: PackedWeights) -> None:
         """Replace the policy weights in place with published ones (``tba.weights.pack_weights``); the next
         :meth:`generate` uses them and no state computed with the old weights (e.g. a prefix cache).

@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicLayer
 
 from tba.adapters import has_adapter, load_adapter
 from tba.engines.base import Generation
+from tba.scoring import token_logprobs
 from tba.types import PackedWeights
 from tba.weights import load_packed_weights
 
@@ -121,6 +122,17 @@ class HFEngine:
                 run.replace(reuse[: len(idx)], waiting.prefilled, idx, out_rows)
                 reuse = reuse[len(idx):]
         return out.results(len(prompts), k)
+
+    @torch.no_grad()
+    def score(self, prompts: list[list[int]], responses: list[list[int]],
+              temperature: float = 1.0) -> list[list[float]]:
+        """Per-token log-probs of ``responses`` under the engine's model (its adapter on), one forward pass
+        (:func:`tba.scoring.token_logprobs`, the trainer's scoring, on the engine's copy in its dtype); see
+        :class:`Engine`. Meant for a few responses at a time (the sync check's probes)."""
+        if not prompts:
+            return []
+        logp, mask = token_logprobs(self.model, prompts, responses, temperature, self.tokenizer.pad_token_id)
+        return [row[: int(m.sum())].tolist() for row, m in zip(logp.float().cpu(), mask)]
 
     def load_weights(self, packed: PackedWeights) -> None:
         """Copy published weights into the model in place (cast to its dtype): full weights, or a LoRA

@@ -196,6 +196,54 @@ class VLLMEngine:
             raise RuntimeError(f"vLLM returned {len(logprobs)} log-probs for {len(ids)} tokens")
         return Generation(response_ids=ids, logprobs=logprobs, finished=finished)
 
+    def score(self, prompts: list[list[int]], responses: list[list[int]],
+              temperature: float = 1.0) -> list[list[float]]:
+        """Per-token log-probs of ``responses`` under the engine's current weights (and its LoRA adapter, when
+        it holds one): vLLM's prompt log-probs (``prompt_logprobs=0``: each position's own token) of prompt +
+        response, one vLLM batch, ``max_tokens=1``; see :class:`Engine`.
+
+        Temperature 1 only: vLLM computes prompt log-probs from the raw logits, before its sampling processors
+        (vLLM 0.32, ``GPUModelRunner._get_prompt_logprobs_dict``: "prompt tokens skip sampling processors"),
+        even with ``logprobs_mode="processed_logprobs"``, so they are log softmax(logits) whatever the
+        request's temperature. A request with prompt log-probs never reads the prefix cache (vLLM sets
+        ``skip_reading_prefix_cache``), so the scores come from the current weights.
+
+        vLLM must generate one token after its input, so a prompt + response of ``max_model_len`` tokens or
+        more is cut to ``max_model_len - 1``: that response gets the log-probs of the tokens that fit (a
+        prefix, exact: a token's log-prob depends only on the tokens before it; [] when the prompt alone
+        fills the context).
+
+        Raises:
+            ValueError: ``temperature`` is not 1.
+            RuntimeError: the engine is closed.
+        """
+        self.llm()
+        if temperature != 1.0:
+            raise ValueError(f"VLLMEngine.score: temperature 1 only (vLLM's prompt log-probs skip the sampling "
+                             f"temperature), got {temperature}")
+        llm = self.llm()
+        keep = llm.llm_engine.vllm_config.model_config.max_model_len - 1
+        seqs = [(len(p), (list(p) + list(r))[:keep]) for p, r in zip(prompts, responses)]
+        todo = [s for n, s in seqs if n < len(s)]
+        if not todo:
+            return [[] for _ in seqs]
+        self._pin_threads()
+        params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=1, prompt_logprobs=0,
+                                detokenize=False)
+        outs = iter(llm.generate([TokensPrompt(prompt_token_ids=s) for s in todo], params, use_tqdm=False,
+                                 lora_request=self._lora_request()))
+        out = []
+        for n, s in seqs:
+            # prompt_logprobs[j]: {token_id: Logprob} of input position j (None at j = 0), its own token included
+            lps = next(outs).prompt_logprobs if n < len(s) else None
+            out.append([float(lps[j][s[j]].logprob) for j in range(n, len(s))] if lps else [])
+        return out
+
+    def _lora_request(self):
+        """The ``LoRARequest`` of the adapter the engine holds, for vLLM calls that must use it (:meth:`score`),
+        or None (full weights); the engine's LoRA support sets ``self.lora_request``."""
+        return getattr(self, "lora_request", None)
+
     def load_weights(self, packed: PackedWeights) -> None:
         """Replace the weights in place with a :func:`tba.weights.pack_weights` pack and drop the prefix cache.
 

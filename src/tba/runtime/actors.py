@@ -159,13 +159,14 @@ class TrainerActor:
         """Weights, optimizer, scheduler, step and RNG into ``directory`` (safetensors + JSON)."""
         t = self.trainer
         checkpoint.save_trainer(Path(directory), t.model, t.optimizer, t.scheduler,
-                                {"step": t.step_count, "skipped_steps": t.skipped_steps})
+                                {"step": t.step_count, "skipped_steps": t.skipped_steps, "probe": t.probe_tokens})
 
     def load_checkpoint(self, directory: str) -> int:
         """Restore :meth:`save_checkpoint`; returns the trainer step."""
         t = self.trainer
         extra = checkpoint.load_trainer(Path(directory), t.model, t.optimizer, t.scheduler)
         t.step_count, t.skipped_steps = extra["step"], extra["skipped_steps"]
+        t.probe_tokens = extra.get("probe")  # the sync check's probe responses (absent in older checkpoints)
         return t.step_count
 
     def save(self, path: str) -> str:

@@ -67,24 +67,29 @@ class SearcherMetrics:
     def __init__(self) -> None:
         self.samples_added = 0
         self.reward_failures = 0
+        self.gap_warnings = 0  # sync checks over searcher.sync_gap_bound (each batch reports its new ones)
         self.versions: dict[int, int] = {}  # searcher id -> policy version it generated its last batch with
         self._pending: dict[str, list[float]] = {}
 
     def add(self, n_samples: int, metrics: dict[str, float], searcher_id: int, version: int) -> None:
-        """Count one searcher batch of ``n_samples`` with its ``searcher/*`` metrics; the empty call a searcher
-        makes when it (re)starts, before its first batch, leaves its version as it was."""
+        """Count one searcher batch of ``n_samples`` with its ``searcher/*`` and ``sync/*`` metrics; the empty
+        call a searcher makes when it (re)starts, before its first batch, leaves its version as it was.
+        ``sync/gap_warnings`` (the batch's new warnings) is added to the run's count, not averaged."""
         self.samples_added += n_samples
         self.reward_failures += int(metrics.get("searcher/reward_failures", 0))
+        self.gap_warnings += int(metrics.get("sync/gap_warnings", 0))
         if n_samples or metrics:  # a (re)started searcher's first call (no batch yet) generated nothing
             self.versions[searcher_id] = version
         for k, v in metrics.items():
-            self._pending.setdefault(k, []).append(v)
+            if k != "sync/gap_warnings":
+                self._pending.setdefault(k, []).append(v)
 
     def summary(self, drain: bool) -> dict[str, float]:
         """Run counters, the oldest/newest searcher policy version, and each metric's mean since the last
         drain (emptied when ``drain``)."""
         out = {"buffer/samples_added": float(self.samples_added),
                "searcher/reward_failures_total": float(self.reward_failures),
+               "sync/gap_warnings": float(self.gap_warnings),
                "searcher/min_version": float(min(self.versions.values(), default=0)),
                "searcher/max_version": float(max(self.versions.values(), default=0))}
         out.update({k: sum(vs) / len(vs) for k, vs in self._pending.items() if vs})
@@ -94,8 +99,10 @@ class SearcherMetrics:
 
     def state_dict(self) -> dict:
         """Run counters (JSON-safe) for checkpoints."""
-        return {"samples_added": self.samples_added, "reward_failures": self.reward_failures}
+        return {"samples_added": self.samples_added, "reward_failures": self.reward_failures,
+                "gap_warnings": self.gap_warnings}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict` (a checkpoint older than the sync check: no warnings)."""
         self.samples_added, self.reward_failures = state["samples_added"], state["reward_failures"]
+        self.gap_warnings = state.get("gap_warnings", 0)
