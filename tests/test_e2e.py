@@ -205,6 +205,8 @@ def test_sigkill_then_resume(tmp_path, cli):
     n_saved = len(buffer_state["buffer"]["samples"])
     lines_before = len(read_metrics(out / "metrics.jsonl"))
     assert lines_before >= saved
+    # the sync check's probe responses and warning count are checkpointed: the restored publication is checked
+    assert len(read_json(out / "checkpoint" / "trainer.json")["probe"]) == 4 and buffer_state["gap_warnings"] == 0
 
     r = cli.run(["--resume", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
