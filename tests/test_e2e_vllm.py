@@ -35,6 +35,22 @@ def test_vllm_searchers_get_weights_and_record_versions(tmp_path, cli):
     cli.assert_nothing_left()
 
 
+def test_vllm_searchers_and_evals_serve_lora_adapters(tmp_path, cli):
+    """With ``model.lora.r`` the searchers' and the eval's vLLM engines are LoRA engines (``lora_rank``, wired
+    in ``tba.runtime.build._vllm_engine``): they take the trainer's adapter publications (an engine of full
+    weights would refuse them), the searchers receive a trained version, and the eval after training runs
+    on the trainer's vLLM engine."""
+    out = tmp_path / "lora"
+    r = cli.run([*VLLM, "--model.lora.r", "8", "--max-steps", "4", "--trainer.sync_period", "1",
+                 "--run.checkpoint_every", "3", "--output-dir", str(out)])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "engine vllm" in r.stdout and "evals with vllm" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer_steps"] == 4 and summary["searcher_max_version"] >= 1
+    assert summary["eval_after"]["n"] == 8
+    cli.assert_nothing_left()
+
+
 def test_vllm_run_that_fails_leaves_nothing(tmp_path, cli):
     """A run that stops with an error (non-finite steps, see test_e2e) while vLLM searchers generate."""
     out = tmp_path / "nan"

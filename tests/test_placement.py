@@ -1,5 +1,6 @@
 """Device placement: which device each role runs on and its GPU share, worked out by hand; the one-line errors
-for GPUs asked for where there are none, and for vLLM asked for where it is not installed."""
+for GPUs asked for where there are none, for vLLM asked for where it is not installed, and for a LoRA rank vLLM
+cannot serve."""
 
 from __future__ import annotations
 
@@ -80,6 +81,19 @@ def test_vllm_missing_is_one_line_before_anything_starts(monkeypatch, tmp_path, 
     rc = main(["train", "--searcher.engine", "vllm", "--output-dir", str(tmp_path / "run")])
     err = capsys.readouterr().err
     assert rc == 2 and "searcher.engine: 'vllm' needs vLLM, which is not installed" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("sections", [{"searcher": {"engine": "vllm"}}, {"run": {"eval_engine": "vllm"}}])
+def test_lora_rank_above_vllms_is_one_line_before_anything_starts(sections, tmp_path, capsys):
+    """vLLM's max_lora_rank stops at 512: a larger model.lora.r with a vLLM engine is refused by check_engine
+    (whether vLLM is installed or not), naming the field; the hf engine takes any rank."""
+    with pytest.raises(ConfigError, match=r"model.lora.r: 1024 is above 512, the largest LoRA rank vLLM serves"):
+        check_engine(_cfg(model={"lora": {"r": 1024}}, **sections))
+    check_engine(_cfg(model={"lora": {"r": 1024}}))  # hf engines
+    rc = main(["train", "--searcher.engine", "vllm", "--model.lora.r", "1024", "--output-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "model.lora.r: 1024 is above 512" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
 
 

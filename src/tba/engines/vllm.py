@@ -8,19 +8,28 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
+import json
 import logging
 import os
 import random
+import re
+import tempfile
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import vllm.v1.engine.core as vllm_core
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, GenerationConfig
 from vllm import LLM, SamplingParams
+from vllm.config.lora import MaxLoRARanks
 from vllm.inputs import TokensPrompt
+from vllm.lora.peft_helper import PEFTHelper
+from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 
 from tba.engines.base import Generation
@@ -33,6 +42,13 @@ log = logging.getLogger(__name__)
 # groups (world, TP, PP: vllm.distributed.parallel_state), which each engine's shutdown tears down; only the
 # last engine to close may do that, or the others fail on their next step.
 _live_engines = 0
+
+#: the ``max_lora_rank`` values vLLM accepts (a fixed set: 1, 8, 16, 32, ..., 512 in 0.32)
+LORA_SLOT_RANKS: tuple[int, ...] = tuple(sorted(typing.get_args(MaxLoRARanks)))
+
+# PEFT's saved name of an adapter tensor: base_model.model.<module>.<part> (get_peft_model_state_dict)
+_ADAPTER_NAME = re.compile(r"base_model\.model\.(.+)\.(lora_A\.weight|lora_B\.weight|lora_embedding_A|"
+                           r"lora_embedding_B|base_layer\.weight)")
 
 
 class VLLMEngine:
@@ -71,6 +87,14 @@ class VLLMEngine:
     engine is built) and ``gpu_memory_utilization`` of the GPU on CUDA; :meth:`close` returns an engine's
     memory (resident sizes: benchmarks/README.md, "Figures formerly in docstrings").
 
+    LoRA (``lora_rank`` set, ``model.lora``): the engine is built with vLLM's LoRA support
+    (``enable_lora``, one adapter slot) and serves the published adapter on top of its base weights, which
+    never change: :meth:`load_weights` takes adapter packs only and every :meth:`generate` runs with the
+    newest one (a ``LoRARequest``). Until the first adapter arrives it generates with the base alone, which
+    is what a fresh adapter (B = 0) computes. On CPU, decoding with an
+    adapter is several times slower than with the same weights merged, while an adapter swap is only a
+    fraction of a second faster (vLLM's CPU LoRA ops; figures: benchmarks/README.md, ``vllm_lora.py``).
+
     Args:
         model_path: a Hugging Face model folder (config.json, generation_config.json, *.safetensors,
             tokenizer files), e.g. what ``save_pretrained`` or ``tba.models.prepare_model`` writes.
@@ -84,20 +108,25 @@ class VLLMEngine:
         seed: seed of vLLM's own random stream (used when :meth:`generate` gets no seed). In-process, vLLM
             also reseeds the process's global ``random``, numpy and torch generators with it when it builds
             the worker.
+        lora_rank: serve LoRA adapters of this rank (``model.lora.r``) instead of full weights; None: full
+            weights. vLLM sizes its adapter slot by ``max_lora_rank``, which takes only the values of
+            :data:`LORA_SLOT_RANKS`; the smallest one >= ``lora_rank`` is used (``lora_slot_rank``).
 
     Attributes:
         eos_ids: the model's EOS ids (generation_config.json), on which responses end.
         block_size: KV block size in tokens (128 on CPU); the prefix cache keeps full blocks only.
         last_swap_s: seconds the latest :meth:`load_weights` took (None before one).
+        lora_rank: the ``lora_rank`` argument; ``lora_slot_rank``: vLLM's ``max_lora_rank`` (None without LoRA).
+        lora_request: the ``LoRARequest`` of the adapter being served (None before one, and without LoRA).
 
     Raises:
-        ValueError: ``device`` is not what the installed vLLM runs on, or ``model_path`` has no safetensors
-            weights.
+        ValueError: ``device`` is not what the installed vLLM runs on, ``model_path`` has no safetensors
+            weights, or ``lora_rank`` is above vLLM's largest ``max_lora_rank``.
     """
 
     def __init__(self, model_path: str, *, dtype: torch.dtype, device: str = "cpu", max_num_seqs: int | None = None,
                  max_model_len: int, gpu_memory_utilization: float = 0.5, kv_cache_gib: float = 1.0,
-                 threads: int = 1, seed: int = 0):
+                 threads: int = 1, seed: int = 0, lora_rank: int | None = None):
         platform = "cpu" if current_platform.is_cpu() else "cuda" if current_platform.is_cuda_alike() else None
         if device not in ("cpu", "cuda") or device != platform:
             raise ValueError(f"vLLM engine: device '{device}' asked for, but the installed vLLM runs on "
@@ -106,9 +135,18 @@ class VLLMEngine:
         self.eos_ids = _eos_ids(self.model_path)
         self._expected, self._tied = _checkpoint_tensors(self.model_path)
         self.last_swap_s: float | None = None  # seconds the latest load_weights took (measurements)
+        self.lora_rank = lora_rank
+        self.lora_slot_rank = None if lora_rank is None else lora_slot_rank(lora_rank)
+        self.lora_request: LoRARequest | None = None
         kwargs = dict(model=self.model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                       max_num_seqs=max_num_seqs, enforce_eager=True, enable_prefix_caching=True,
                       logprobs_mode="processed_logprobs", use_tqdm_on_load=False)
+        if lora_rank is not None:
+            # one slot: a searcher serves only the newest adapter, and vLLM preallocates every slot's A and B
+            # at max_lora_rank in each LoRA layer; max_cpu_loras defaults to max_loras, so vLLM's own cache of
+            # loaded adapters holds one too. The CPU backend needs nothing more: with LoRA it
+            # turns torch.compile off itself, which enforce_eager already does.
+            kwargs.update(enable_lora=True, max_lora_rank=self.lora_slot_rank, max_loras=1)
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": None}
         if device == "cpu":
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
@@ -127,6 +165,7 @@ class VLLMEngine:
             self._llm: LLM | None = LLM(**{k: v for k, v in kwargs.items() if v is not None})
         _live_engines += 1
         self.block_size: int = self._llm.llm_engine.vllm_config.cache_config.block_size
+        self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: > 0, and one per load (see _load_adapter)
         if device == "cpu" and torch.get_num_threads() != threads:
             log.warning("vLLM engine: torch uses %d threads, %d asked for", torch.get_num_threads(), threads)
 
@@ -175,7 +214,8 @@ class VLLMEngine:
                                  max_tokens=max_new_tokens, min_tokens=min_new_tokens, logprobs=0, detokenize=False,
                                  seed=None if seed is None else rng.getrandbits(62))
                   for _ in prompts]
-        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params, use_tqdm=False,
+                            lora_request=self.lora_request)
         gens = [[self._generation(c) for c in sorted(o.outputs, key=lambda c: c.index)] for o in outs]
         if greedy:
             gens = [[Generation(list(g.response_ids), list(g.logprobs), g.finished) for _ in range(num_samples)
@@ -197,7 +237,8 @@ class VLLMEngine:
         return Generation(response_ids=ids, logprobs=logprobs, finished=finished)
 
     def load_weights(self, packed: PackedWeights) -> None:
-        """Replace the weights in place with a :func:`tba.weights.pack_weights` pack and drop the prefix cache.
+        """Replace the weights in place with a :func:`tba.weights.pack_weights` pack and drop the prefix cache;
+        with ``lora_rank``, serve a :func:`tba.adapters.pack_adapter` pack instead (:meth:`_load_adapter`).
 
         The tensors are views into ``packed.data`` (no copy); vLLM's in-place reload
         (``collective_rpc("reload_weights")``, which also redoes the CPU backend's weight repacking) copies
@@ -213,11 +254,20 @@ class VLLMEngine:
         the old weights (exact when the head is passed as well).
 
         Raises:
-            ValueError: the pack's names or shapes differ from the model's checkpoint (another architecture);
-                nothing is loaded then, and the engine keeps its weights.
+            ValueError: the pack's names or shapes differ from the model's checkpoint (another architecture),
+                or the pack is of the other kind (an adapter for an engine without ``lora_rank``, full
+                weights for one with it); nothing is loaded then, and the engine keeps its weights.
             RuntimeError: the engine is closed, or vLLM could not reset its prefix cache.
         """
         self.llm()
+        if (packed.adapter is not None) != (self.lora_rank is not None):
+            kinds = ("a LoRA adapter", "full weights") if packed.adapter is not None else \
+                ("full weights", f"LoRA adapters (lora_rank={self.lora_rank})")
+            raise ValueError(f"published weights are {kinds[0]}, but this vLLM engine serves {kinds[1]}; "
+                             "model.lora.r must be the same for searchers and trainer")
+        if packed.adapter is not None:
+            self._load_adapter(packed)
+            return
         named = self._named_tensors(packed)
         # bound only now: a caller keeping the traceback of a ValueError above (pytest.raises does) would
         # otherwise keep the LLM, and with it vLLM's process group and its /tmp/vllm_dist_* file, after close
@@ -249,6 +299,103 @@ class VLLMEngine:
             named.setdefault(head, named[embedding])
         return list(named.items())
 
+    def _load_adapter(self, packed: PackedWeights) -> None:
+        """Serve the adapter of ``packed`` from the next :meth:`generate` on, in place of the previous one.
+
+        vLLM loads adapters from PEFT folders only, so the pack is written as one (``adapter_config.json``
+        from ``packed.adapter``, ``adapter_model.safetensors`` from its tensors) into a temporary directory.
+        Each load gets a fresh ``lora_int_id`` and name: vLLM keys its adapter cache by the id and its
+        prefix-cache hashes by the name, so reusing either could serve the old adapter's tensors or KV.
+        vLLM reads and checks the folder here (``add_lora``), not at the next generate, so a bad adapter
+        fails in this call while the previous one is still served; it then keeps the tensors in memory and
+        never reads the folder again (an adapter in its cache is only re-activated), so the folder is
+        deleted at once: Ray kills a run's actors at shutdown, so neither :meth:`close` nor a finalizer would
+        run there, and a folder kept until then was left in /tmp by every LoRA engine (seen in the e2e
+        runs). The previous adapter is then removed from vLLM (its one slot would evict it anyway; removing
+        it says so) and the prefix cache is reset as for full weights. ``last_swap_s`` covers the write,
+        vLLM's load and the reset (figures: benchmarks/README.md, ``benchmarks/vllm_lora.py``).
+
+        Raises:
+            ValueError: the adapter does not fit the model or vLLM's LoRA (:meth:`_adapter_tensors`, or
+                vLLM's own refusal, e.g. a module vLLM serves no LoRA on); the previous adapter stays.
+            RuntimeError: vLLM did not take the adapter or could not reset its prefix cache.
+        """
+        tensors = self._adapter_tensors(packed)
+        # the LLM is never bound to a local here: vLLM's refusal below raises from this frame, and a kept
+        # traceback would keep the LLM alive after close (see load_weights)
+        self._pin_threads()
+        start = time.perf_counter()
+        lora_id = next(self._lora_ids)
+        with tempfile.TemporaryDirectory(prefix=f"tba-vllm-lora-{lora_id}-") as folder:
+            with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+                json.dump(packed.adapter, f)
+            save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+            request = LoRARequest(f"tba-adapter-{lora_id}", lora_id, folder)
+            try:
+                added = self.llm().llm_engine.add_lora(request)
+            except ValueError as e:  # vLLM's check of the folder: one line, naming the cause
+                raise ValueError(f"vLLM refused the published LoRA adapter: {e}") from None
+            if not added:
+                raise RuntimeError(f"vLLM did not add LoRA adapter {lora_id}")
+        old, self.lora_request = self.lora_request, request
+        if old is not None:
+            self.llm().llm_engine.remove_lora(old.lora_int_id)  # False when the new adapter already evicted it
+        if not self.llm().reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after an adapter swap")
+        self.last_swap_s = time.perf_counter() - start
+
+    def _adapter_tensors(self, packed: PackedWeights) -> dict[str, torch.Tensor]:
+        """The adapter's tensors to write (views into ``packed.data``), checked against the base checkpoint
+        and vLLM's LoRA settings before anything changes.
+
+        Checked: vLLM's own rules for the config (``PEFTHelper.validate_legal``: rank at most
+        ``lora_slot_rank``, no DoRA, no bias, ...); every tensor under a PEFT name of a module whose weight
+        the checkpoint has (a tied LM head counts as the embedding), of the shape its rank and that weight
+        give (``lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]; for an embedding ``lora_embedding_A``
+        [r, vocab], ``lora_embedding_B`` [hidden, r]); A and B for every module. PEFT also saves the base
+        weights of a targeted embedding or LM head (``...base_layer.weight``); vLLM skips those and keeps its
+        own, so they are checked for shape and left out of the folder (tens of MB not written per load).
+
+        Raises:
+            ValueError: one line naming what differs (first few names).
+        """
+        try:
+            helper = PEFTHelper.from_dict(dict(packed.adapter))
+            helper.validate_legal(self.llm().llm_engine.vllm_config.lora_config)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"published LoRA adapter cannot be served by this vLLM engine (max_lora_rank "
+                             f"{self.lora_slot_rank}): {e}") from None
+        named = unpack_weights(packed)
+        unexpected, wrong, parts = [], [], {}
+        for name, t in named.items():
+            m = _ADAPTER_NAME.fullmatch(name)
+            base = self._base_shape(m[1]) if m else None
+            if base is None:
+                unexpected.append(name)
+                continue
+            module, part = m[1], m[2]
+            rank = helper.get_rank_and_scaling(module)[0]
+            want = {"lora_A.weight": (rank, base[1]), "lora_B.weight": (base[0], rank),
+                    "lora_embedding_A": (rank, base[0]), "lora_embedding_B": (base[1], rank),
+                    "base_layer.weight": base}[part]
+            if tuple(t.shape) != want:
+                wrong.append((name, tuple(t.shape), want))
+            if part != "base_layer.weight":
+                parts.setdefault(module, set()).add(part.removesuffix(".weight")[-1])  # "A" or "B"
+        unpaired = sorted(m for m, p in parts.items() if p != {"A", "B"})
+        if unexpected or wrong or unpaired or not parts:
+            raise ValueError(f"published LoRA adapter does not match the vLLM model at {self.model_path}: "
+                             f"unexpected {unexpected[:3]}, shapes differ {wrong[:3]}, without both A and B "
+                             f"{unpaired[:3]}" + ("" if parts else " (no adapter tensors)"))
+        return {n: t for n, t in named.items() if not n.endswith(".base_layer.weight")}
+
+    def _base_shape(self, module: str) -> tuple[int, ...] | None:
+        """Shape of ``module``'s weight in the checkpoint ([out, in] for a linear layer, [vocab, hidden] for
+        an embedding; a tied LM head: the embedding's), None where it has no 2-D weight."""
+        name = f"{module}.weight"
+        shape = self._expected.get(name) or self._expected.get(self._tied.get(name, ""))
+        return shape if shape is not None and len(shape) == 2 else None
+
     def close(self) -> None:
         """Shut the engine core down (executor, scheduler; vLLM's process groups with the process's last
         engine) and free its memory.
@@ -259,6 +406,7 @@ class VLLMEngine:
         """
         global _live_engines
         llm, self._llm = self._llm, None
+        self.lora_request = None
         if llm is None:
             return
         _live_engines -= 1
@@ -292,6 +440,20 @@ class VLLMEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def lora_slot_rank(rank: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of rank ``rank``: the smallest of :data:`LORA_SLOT_RANKS` >= it
+    (an adapter of a smaller rank is zero-padded into the slot).
+
+    Raises:
+        ValueError: ``rank`` < 1 or above vLLM's largest ``max_lora_rank`` (512 in 0.32).
+    """
+    fits = [r for r in LORA_SLOT_RANKS if r >= rank]
+    if rank < 1 or not fits:
+        raise ValueError(f"vLLM engine: LoRA rank {rank} is not served by vLLM (max_lora_rank takes "
+                         f"{', '.join(map(str, LORA_SLOT_RANKS))})")
+    return fits[0]
 
 
 def _eos_ids(model_path: str) -> set[int]:

@@ -80,15 +80,16 @@ def build_eval_engine(cfg: Config, policy_path: str, policy, tokenizer, task) ->
 
 def _vllm_engine(cfg: Config, policy_path: str, tokenizer, task, problems, **engine_kw) -> Engine:
     """A ``VLLMEngine`` on the policy (cut to ``model.num_hidden_layers``) in the generation dtype, its
-    sequences sized by the longest prompt of ``problems`` plus ``searcher.max_new_tokens``; ``engine_kw``:
-    the caller's device, ``max_num_seqs``, threads, seed (and GPU share)."""
+    sequences sized by the longest prompt of ``problems`` plus ``searcher.max_new_tokens``, serving LoRA
+    adapters of rank ``model.lora.r`` when one is set (the trainer then publishes adapters only);
+    ``engine_kw``: the caller's device, ``max_num_seqs``, threads, seed (and GPU share)."""
     from tba.engines.vllm import VLLMEngine
 
     n = cfg.model.num_hidden_layers
     folder = truncated_copy(policy_path, n, cfg.model.cache_dir) if n else policy_path
     longest = max(len(task.encode(tokenizer, p)) for p in problems)
     return VLLMEngine(folder, dtype=pick_dtype(cfg.model.dtype), max_model_len=longest + cfg.searcher.max_new_tokens,
-                      kv_cache_gib=cfg.searcher.kv_cache_gib, **engine_kw)
+                      kv_cache_gib=cfg.searcher.kv_cache_gib, lora_rank=cfg.model.lora.r, **engine_kw)
 
 
 def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: int) -> Searcher:
