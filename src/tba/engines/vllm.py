@@ -14,11 +14,9 @@ import logging
 import os
 import random
 import re
-import shutil
 import tempfile
 import time
 import typing
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,8 +91,7 @@ class VLLMEngine:
     (``enable_lora``, one adapter slot) and serves the published adapter on top of its base weights, which
     never change: :meth:`load_weights` takes adapter packs only and every :meth:`generate` runs with the
     newest one (a ``LoRARequest``). Until the first adapter arrives it generates with the base alone, which
-    is what a fresh adapter (B = 0) computes. The adapters' folders live in a temporary directory of the
-    engine's own, removed by :meth:`close` (or when the engine is collected). On CPU, decoding with an
+    is what a fresh adapter (B = 0) computes. On CPU, decoding with an
     adapter is several times slower than with the same weights merged, while an adapter swap is only a
     fraction of a second faster (vLLM's CPU LoRA ops; figures: benchmarks/README.md, ``vllm_lora.py``).
 
@@ -169,12 +166,6 @@ class VLLMEngine:
         _live_engines += 1
         self.block_size: int = self._llm.llm_engine.vllm_config.cache_config.block_size
         self._lora_ids = itertools.count(1)  # vLLM's lora_int_id: > 0, and one per load (see _load_adapter)
-        self._lora_root: str | None = None
-        self._lora_cleanup = None
-        if lora_rank is not None:
-            self._lora_root = tempfile.mkdtemp(prefix="tba-vllm-lora-")
-            # removed by close(), else when the engine is collected or the process exits
-            self._lora_cleanup = weakref.finalize(self, shutil.rmtree, self._lora_root, ignore_errors=True)
         if device == "cpu" and torch.get_num_threads() != threads:
             log.warning("vLLM engine: torch uses %d threads, %d asked for", torch.get_num_threads(), threads)
 
@@ -355,14 +346,17 @@ class VLLMEngine:
         """Serve the adapter of ``packed`` from the next :meth:`generate` on, in place of the previous one.
 
         vLLM loads adapters from PEFT folders only, so the pack is written as one (``adapter_config.json``
-        from ``packed.adapter``, ``adapter_model.safetensors`` from its tensors) under the engine's temporary
-        directory. Each load gets a fresh ``lora_int_id`` and name: vLLM keys its adapter cache by the id and
-        its prefix-cache hashes by the name, so reusing either could serve the old adapter's tensors or KV.
+        from ``packed.adapter``, ``adapter_model.safetensors`` from its tensors) into a temporary directory.
+        Each load gets a fresh ``lora_int_id`` and name: vLLM keys its adapter cache by the id and its
+        prefix-cache hashes by the name, so reusing either could serve the old adapter's tensors or KV.
         vLLM reads and checks the folder here (``add_lora``), not at the next generate, so a bad adapter
-        fails in this call while the previous one is still served. The previous adapter is then removed
-        from vLLM (its one slot would evict it anyway; removing it says so) and its folder deleted, and the
-        prefix cache is reset as for full weights. ``last_swap_s`` covers the write, vLLM's load and the
-        reset (figures: benchmarks/README.md, ``benchmarks/vllm_lora.py``).
+        fails in this call while the previous one is still served; it then keeps the tensors in memory and
+        never reads the folder again (an adapter in its cache is only re-activated), so the folder is
+        deleted at once: Ray kills a run's actors at shutdown, so neither :meth:`close` nor a finalizer would
+        run there, and a folder kept until then was left in /tmp by every LoRA engine (seen in the e2e
+        runs). The previous adapter is then removed from vLLM (its one slot would evict it anyway; removing
+        it says so) and the prefix cache is reset as for full weights. ``last_swap_s`` covers the write,
+        vLLM's load and the reset (figures: benchmarks/README.md, ``benchmarks/vllm_lora.py``).
 
         Raises:
             ValueError: the adapter does not fit the model or vLLM's LoRA (:meth:`_adapter_tensors`, or
@@ -375,9 +369,7 @@ class VLLMEngine:
         self._pin_threads()
         start = time.perf_counter()
         lora_id = next(self._lora_ids)
-        folder = os.path.join(self._lora_root, f"adapter-{lora_id}")
-        os.mkdir(folder)
-        try:
+        with tempfile.TemporaryDirectory(prefix=f"tba-vllm-lora-{lora_id}-") as folder:
             with open(os.path.join(folder, "adapter_config.json"), "w") as f:
                 json.dump(packed.adapter, f)
             save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
@@ -388,13 +380,9 @@ class VLLMEngine:
                 raise ValueError(f"vLLM refused the published LoRA adapter: {e}") from None
             if not added:
                 raise RuntimeError(f"vLLM did not add LoRA adapter {lora_id}")
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
         old, self.lora_request = self.lora_request, request
         if old is not None:
             self.llm().llm_engine.remove_lora(old.lora_int_id)  # False when the new adapter already evicted it
-            shutil.rmtree(old.lora_path, ignore_errors=True)
         if not self.llm().reset_prefix_cache():
             raise RuntimeError("vLLM could not reset its prefix cache after an adapter swap")
         self.last_swap_s = time.perf_counter() - start
@@ -462,8 +450,6 @@ class VLLMEngine:
         """
         global _live_engines
         llm, self._llm = self._llm, None
-        if self._lora_cleanup is not None:
-            self._lora_cleanup()  # runs once; a second close does nothing
         self.lora_request = None
         if llm is None:
             return
