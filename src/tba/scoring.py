@@ -95,7 +95,7 @@ def _shared_prompt_logits(model, prompts, responses, pad_id: int, distinct: list
     index = {p: i for i, p in enumerate(distinct)}
     rows = torch.tensor([index[tuple(p)] for p in prompts], device=device)  # [N] -> distinct prompt
     p_ids, p_attn, r_ids = p_ids.to(device), p_attn.to(device), r_ids.to(device)
-    cache_kw = "cache" if "cache" in inspect.signature(_base(model).forward).parameters else "past_key_values"
+    cache_kw = cache_keyword(model)
     cache = DynamicCache(config=model.config)
     first = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0),
                   use_cache=True, logits_to_keep=1, **{cache_kw: cache}).logits[rows]  # [N, 1, V]
@@ -108,6 +108,17 @@ def _shared_prompt_logits(model, prompts, responses, pad_id: int, distinct: list
     rest = model(input_ids=r_ids[:, :-1], attention_mask=attn[:, :-1], position_ids=pos, use_cache=True,
                  **{cache_kw: cache}).logits  # [N, R - 1, V]
     return torch.cat([first, rest], dim=1), r_ids
+
+
+def unpadded(logp: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
+    """:func:`token_logprobs` output [N, T] as one list of per-token log-probs per response (padding cut)."""
+    return [row[: int(m.sum())].tolist() for row, m in zip(logp.float().cpu(), mask)]
+
+
+def cache_keyword(model) -> str:
+    """The forward's KV-cache argument: ``cache`` (transformers 5's name; the old one warns, later fails) or
+    ``past_key_values``; a peft model's forward takes ``**kwargs`` and passes them on, so its base is asked."""
+    return "cache" if "cache" in inspect.signature(_base(model).forward).parameters else "past_key_values"
 
 
 def _base(model):

@@ -16,7 +16,7 @@ import torch
 
 from tba.config import SearcherConfig
 from tba.engines.base import Engine
-from tba.scoring import token_logprobs
+from tba.scoring import token_logprobs, unpadded
 from tba.tasks.base import Task
 from tba.types import PackedWeights, Probe, Sample
 
@@ -201,7 +201,7 @@ class Searcher:
         for s in range(0, len(prompts), self.score_micro_batch):
             lp, mask = token_logprobs(self.ref_model, prompts[s : s + self.score_micro_batch],
                                       responses[s : s + self.score_micro_batch], self.cfg.temperature, pad)
-            out += [row[: int(m.sum())].tolist() for row, m in zip(lp.float().cpu(), mask)]
+            out += unpadded(lp, mask)
         return out
 
     def state_dict(self) -> dict:

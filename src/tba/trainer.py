@@ -14,7 +14,7 @@ import torch
 from tba.adapters import adapter_off, has_adapter, pack_adapter
 from tba.config import LossConfig, TrainerConfig
 from tba.losses import LOSSES, LossInputs
-from tba.scoring import token_logprobs
+from tba.scoring import token_logprobs, unpadded
 from tba.types import Batch, PackedWeights, Probe
 from tba.weights import pack_weights
 
@@ -150,8 +150,8 @@ class Trainer:
             scored = [token_logprobs(ref, [s.prompt_ids for s in part], [s.response_ids for s in part],
                                      self.temperature, self.pad_id) for part in parts]
         for part, (lp, mask) in zip(parts, scored):
-            for s, row, m in zip(part, lp.float().cpu(), mask):
-                s.ref_logprobs = row[: int(m.sum())].tolist()
+            for s, row in zip(part, unpadded(lp, mask)):
+                s.ref_logprobs = row
 
     def _inputs(self, batch: Batch, logp: torch.Tensor, beta: float) -> LossInputs:
         """The loss inputs of ``batch``: behaviour and reference log-probs padded to ``logp``'s [N, T], on its
@@ -231,12 +231,13 @@ class Trainer:
     def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
-    def publish_weights(self, dtype: torch.dtype | None = None) -> PackedWeights:
+    def publish_weights(self, dtype: torch.dtype | None = None, probe: bool = True) -> PackedWeights:
         """The policy weights for the searchers, packed in one CPU buffer and cast to ``dtype`` (see
         :func:`tba.weights.pack_weights`; bf16 halves the bytes); with an adapter, the adapter only
-        (:func:`tba.adapters.pack_adapter`). The pack carries the sync check's :meth:`probe`."""
+        (:func:`tba.adapters.pack_adapter`). The pack carries the sync check's :meth:`probe` unless ``probe``
+        is False (a pack no searcher checks: the eval engine's)."""
         packed = pack_adapter(self.model, dtype) if has_adapter(self.model) else pack_weights(self.model, dtype)
-        packed.probe = self.probe()
+        packed.probe = self.probe() if probe else None
         return packed
 
     @torch.no_grad()
@@ -255,8 +256,7 @@ class Trainer:
                 lp, mask = token_logprobs(self.model, prompts, responses, 1.0, self.pad_id)
         finally:
             self.model.train(training)
-        return Probe(prompts, responses, [row[: int(m.sum())].tolist() for row, m in zip(lp.float().cpu(), mask)],
-                     temperature=1.0)
+        return Probe(prompts, responses, unpadded(lp, mask), temperature=1.0)
 
 
 def pick_probe(batch: Batch, n: int = PROBE_SAMPLES) -> list[tuple[list[int], list[int]]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -13,7 +12,7 @@ from transformers.cache_utils import DynamicLayer
 
 from tba.adapters import has_adapter, load_adapter
 from tba.engines.base import Generation
-from tba.scoring import token_logprobs
+from tba.scoring import cache_keyword, token_logprobs, unpadded
 from tba.types import PackedWeights
 from tba.weights import load_packed_weights
 
@@ -53,10 +52,7 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.max_num_seqs = max_num_seqs
         self.eos_ids = set(_as_list(model.generation_config.eos_token_id) or [tokenizer.eos_token_id])
-        # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns, later fails); a peft
-        # model's forward takes **kwargs and passes them on, so ask its base model
-        base = model.get_base_model() if has_adapter(model) else model
-        self._cache_kw = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(model)
         # Rows of different widths can be joined only where every layer keeps its whole history; a sliding
         # window layer keeps a fixed-width tail, so such models decode one batch of prompts at a time.
         self.continuous_batching = all(type(layer) is DynamicLayer
@@ -131,8 +127,7 @@ class HFEngine:
         :class:`Engine`. Meant for a few responses at a time (the sync check's probes)."""
         if not prompts:
             return []
-        logp, mask = token_logprobs(self.model, prompts, responses, temperature, self.tokenizer.pad_token_id)
-        return [row[: int(m.sum())].tolist() for row, m in zip(logp.float().cpu(), mask)]
+        return unpadded(*token_logprobs(self.model, prompts, responses, temperature, self.tokenizer.pad_token_id))
 
     def load_weights(self, packed: PackedWeights) -> None:
         """Copy published weights into the model in place (cast to its dtype): full weights, or a LoRA

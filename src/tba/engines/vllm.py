@@ -445,8 +445,8 @@ class VLLMEngine:
 
         Nothing of vLLM keeps running afterwards (no child process, no non-daemon thread); safe to call
         twice. A closed engine raises RuntimeError on use. Close every engine: one collected unclosed runs
-        vLLM's full shutdown, which breaks the process's other live engines. A LoRA engine's temporary
-        directory (its adapter folders) is removed.
+        vLLM's full shutdown, which breaks the process's other live engines. (A LoRA engine keeps no
+        adapter folder: :meth:`_load_adapter` deletes each once vLLM has read it.)
         """
         global _live_engines
         llm, self._llm = self._llm, None

@@ -41,7 +41,7 @@ class PolicyEvaluator:
         if self.cfg.run.eval_engine == "vllm":
             if self._vllm is None:
                 self._vllm = build_eval_engine(self.cfg, self.policy_path, model, self.tokenizer, self.task)
-            self._vllm.load_weights(trainer.publish_weights(self.gen_dtype))
+            self._vllm.load_weights(trainer.publish_weights(self.gen_dtype, probe=False))
             engine = self._vllm
         else:
             engine = build_eval_engine(self.cfg, self.policy_path, model, self.tokenizer, self.task)
