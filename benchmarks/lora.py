@@ -42,6 +42,7 @@ from _common import (  # noqa: E402
     error_line,
     peak_rss_mib,
     read_results,
+    setup_id,
     start_study,
     study_main,
     write_json,
@@ -212,7 +213,8 @@ def learning(args) -> int:
     from tba import train
 
     extra, _, out, previous = start_study(args, {})
-    done = {(r["arm"], r["seed"]) for r in previous if "error" not in r}
+    setup = setup_id(args.config, 0, 0, extra)  # a resumed study skips only cells of the same config and --set
+    done = {(r["arm"], r["seed"]) for r in previous if "error" not in r and r.get("setup", setup) == setup}
     for seed in args.seeds:  # seed-major: a stopped study leaves complete pairs
         for arm in args.arms:
             if (arm, seed) in done:
@@ -223,7 +225,7 @@ def learning(args) -> int:
             with open(args.lock, "w") if args.lock else nullcontext() as lock:
                 if lock:
                     fcntl.flock(lock, fcntl.LOCK_EX)  # one heavy job at a time on a shared machine
-                rec = {"arm": arm, "seed": seed, "overrides": overrides, "loadavg": os.getloadavg(),
+                rec = {"arm": arm, "seed": seed, "setup": setup, "overrides": overrides, "loadavg": os.getloadavg(),
                        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "run_dir": str(run_dir)}
                 try:
                     s = train(args.config, overrides=overrides, show_progress=False)
