@@ -377,7 +377,9 @@ def test_lora_adapter_equals_the_hf_engine(lora_engine, engine, model_dir, promp
     greedy response differs from the base's. A second adapter (other values; q_proj, v_proj and the tied LM
     head) replaces it: the outputs follow the hf engine on the second and vLLM holds that adapter only. The
     adapter's folder is gone once loaded (vLLM keeps the tensors; the calls after the load use them).
-    Before any adapter the LoRA engine decodes as the base.
+    Before any adapter the LoRA engine decodes as the base. ``score`` of several prompts' responses in one
+    call equals transformers' log-probs of the peft model (seen to fail inside vLLM, prompt log-probs of
+    several LoRA requests in one batch, before ``score`` sent them one by one).
 
     Seen to fail (the base's tokens) with ``lora_request`` not passed to vLLM's generate."""
     base = engine.generate(prompts, 1, 16, greedy=True)
@@ -393,6 +395,13 @@ def test_lora_adapter_equals_the_hf_engine(lora_engine, engine, model_dir, promp
         sampled = lora_engine.generate(prompts, 2, 16, 0.7, seed=0)
         for hf, vl in _rescore(peft, prompts, sampled, 0.7, tokenizer.pad_token_id):
             assert torch.allclose(hf, vl, atol=1e-3), (hf - vl).abs().max()
+        # score (the sync check's call) of several prompts' responses at once, under the adapter
+        flat = [(p, g.response_ids) for p, grp in zip(prompts, sampled) for g in grp]
+        scored = lora_engine.score([p for p, _ in flat], [r for _, r in flat])
+        with torch.no_grad():
+            want, _ = token_logprobs(peft, [p for p, _ in flat], [r for _, r in flat], 1.0, tokenizer.pad_token_id)
+        for row, lp in zip(want, scored):
+            assert torch.allclose(torch.tensor(lp), row[: len(lp)], atol=1e-3) and len(lp) > 0
         current = lora_engine.lora_request
         assert llm.list_loras() == {current.lora_int_id}
         assert not os.path.exists(current.lora_path)

@@ -240,7 +240,8 @@ class VLLMEngine:
               temperature: float = 1.0) -> list[list[float]]:
         """Per-token log-probs of ``responses`` under the engine's current weights (and its LoRA adapter, when
         it holds one): vLLM's prompt log-probs (``prompt_logprobs=0``: each position's own token) of prompt +
-        response, one vLLM batch, ``max_tokens=1``; see :class:`Engine`.
+        response, one vLLM batch (one call per response with a LoRA adapter, see below), ``max_tokens=1``;
+        see :class:`Engine`.
 
         Temperature 1 only: vLLM computes prompt log-probs from the raw logits, before its sampling processors
         (vLLM 0.32, ``GPUModelRunner._get_prompt_logprobs_dict``: "prompt tokens skip sampling processors"),
@@ -257,7 +258,6 @@ class VLLMEngine:
             ValueError: ``temperature`` is not 1.
             RuntimeError: the engine is closed.
         """
-        self.llm()
         if temperature != 1.0:
             raise ValueError(f"VLLMEngine.score: temperature 1 only (vLLM's prompt log-probs skip the sampling "
                              f"temperature), got {temperature}")
@@ -270,8 +270,16 @@ class VLLMEngine:
         self._pin_threads()
         params = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, max_tokens=1, prompt_logprobs=0,
                                 detokenize=False)
-        outs = iter(llm.generate([TokensPrompt(prompt_token_ids=s) for s in todo], params, use_tqdm=False,
-                                 lora_request=self.lora_request))
+        requests = [TokensPrompt(prompt_token_ids=s) for s in todo]
+        if self.lora_request is None:
+            outs = iter(llm.generate(requests, params, use_tqdm=False))
+        else:
+            # one request per call: vLLM maps a LoRA over the logits per request, not per prompt position,
+            # so prompt log-probs of several LoRA requests in one batch fail a shape check inside vLLM and
+            # leave its engine unusable (vllm-project/vllm#29955, #16668; measured on vLLM 0.32's CPU
+            # backend); a single request's mapping broadcasts over its positions, and the adapter is the same
+            outs = iter([llm.generate([q], params, use_tqdm=False, lora_request=self.lora_request)[0]
+                         for q in requests])
         out = []
         for n, s in seqs:
             # prompt_logprobs[j]: {token_id: Logprob} of input position j (None at j = 0), its own token included
