@@ -309,6 +309,45 @@ def test_raising_searcher_is_restarted_with_the_newest_weights(tmp_path, cli):
     cli.assert_nothing_left()
 
 
+#: run in every process of the run once ``tba.searcher`` is imported: the first searcher batch of the run
+#: never returns (once per run: a flag file), as with a wedged engine
+HANG_ONCE = """
+import os, time
+
+FLAG = os.environ["TBA_TEST_HUNG"]
+step = module.Searcher.step
+
+
+def hanging_step(self):
+    if not os.path.exists(FLAG):
+        open(FLAG, "w").close()
+        time.sleep(10**6)
+    return step(self)
+
+
+module.Searcher.step = hanging_step
+"""
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_hung_searcher_is_restarted(tmp_path, cli, mode):
+    """A searcher that stops delivering (its batch never returns) is killed after ``searcher.stall_timeout_s``
+    and restarted, counted once; the run completes in both modes (async: during the buffer fill the
+    supervisor sees no call to the buffer for that long; sync: the round's call times out and the new
+    searcher is asked again). Without the watchdog both runs wait forever: the fill, or the round."""
+    hung = tmp_path / "hung"
+    env = patched_env(tmp_path, "tba.searcher", HANG_ONCE, TBA_TEST_HUNG=str(hung))
+    out = tmp_path / mode
+    r = cli.run([*TINY, "--max-steps", "6", "--mode", mode, "--trainer.sync_period", "1",
+                 "--searcher.stall_timeout_s", "10", "--run.eval_before", "false", "--run.eval_after", "false",
+                 "--trainer.save_final", "false", "--run.tensorboard", "false", "--output-dir", str(out)], env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert hung.is_file() and "searcher 0 died (no batch " in r.stdout + r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer_steps"] == 6 and summary["searcher_restarts"] == 1
+    cli.assert_nothing_left()
+
+
 #: run in every process once the reasoning-gym task is imported: every reward raises
 REWARD_DOWN = """
 def down(self, response, problem):

@@ -147,6 +147,11 @@ class SearcherConfig(_Section):
         description="If set, each generation batch samples at a temperature drawn uniformly from [low, high] "
         "(paper red-teaming: [0.7, 2.0]); log-probs for the loss still use `temperature`.",
     )
+    stall_timeout_s: Optional[float] = Field(
+        900.0, gt=0, description="A searcher that delivers no batch for this many seconds (a hung engine or reward "
+        "server) is killed and restarted with the newest weights, counted in searcher/restarts (3 per searcher, then "
+        "the run stops). Set it above the slowest batch your model and batch size take. None = wait forever.",
+    )
     sync_gap_bound: Optional[float] = Field(
         0.06, gt=0, description="Sync check: after loading published weights a searcher scores the trainer's probe "
         "responses with its engine; a mean |engine - trainer| log-prob gap (sync/logprob_gap) above this many nats "

@@ -74,6 +74,10 @@ class BufferActor:
         self.metrics.load_state_dict(state)
         return len(self.buffer)
 
+    def last_seen(self) -> dict[int, float]:
+        """Each searcher's newest call to :meth:`add` (wall time, seconds since the epoch), by searcher id."""
+        return dict(self.metrics.last_seen)
+
     def stats(self, drain: bool = True) -> dict:
         """Buffer stats, counters and the mean of searcher metrics since the last drain."""
         return {**self.buffer.stats(), **self.metrics.summary(drain)}

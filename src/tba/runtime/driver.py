@@ -67,7 +67,6 @@ class RayRuntime:
         self.actors: list = []  # buffer and trainer; the searchers are the supervisor's
         self._inflight = None  # the trainer step sent and not yet recorded
         self._t0 = time.monotonic()
-        self._sync_runs: list = []  # sync mode: the searchers' one-batch calls in flight
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def __enter__(self) -> "RayRuntime":
@@ -95,7 +94,8 @@ class RayRuntime:
                 cfg_dict, self.policy_path, self.ref_path, i, run_dir)
 
         self.actors = [self.buffer, self.trainer]
-        self.searchers = SearcherSupervisor(new_searcher, c.searcher.num_searchers, self.buffer)
+        self.searchers = SearcherSupervisor(new_searcher, c.searcher.num_searchers, self.buffer,
+                                            c.searcher.stall_timeout_s)
         # Wait for every actor to be constructed: surfaces model/task errors from the workers now, and
         # turns a cluster too small to place them into an error instead of a hang.
         try:
@@ -239,12 +239,10 @@ class RayRuntime:
 
     def _generate(self) -> None:
         """Sync mode: one batch per searcher with the current weights, made the recent set. Async mode:
-        searchers generate on their own; restart any that died."""
+        searchers generate on their own; restart any that died or stalled."""
         if self.cfg.run.mode == "sync":
             self.on_phase("generate", self.state.step)
-            self._sync_runs = [s.run.remote(self.buffer, 1) for s in self.searchers]
-            ray.get(self._sync_runs)
-            self._sync_runs = []
+            self.state.searcher_restarts += self.searchers.run_batches()
             # the recent set is exactly the batch just generated (every sample since the previous sync),
             # whichever version the searchers were served (trainer.generation_lag, searcher.receive_weights)
             ray.get(self.buffer.sync.remote(0))
@@ -314,13 +312,14 @@ class RayRuntime:
             self._record(metrics, None, 0.0)
         self._inflight = None
 
-    def _drain_searchers(self, timeout_s: float = 300.0) -> None:
-        """Stop the searchers and wait (at most ``timeout_s`` seconds) for the batch each is generating to
-        reach the buffer, so a stop checkpoint skips no prompt a searcher has started."""
+    def _drain_searchers(self) -> None:
+        """Stop the searchers and wait (at most 300 s, or ``searcher.stall_timeout_s`` if shorter: a batch
+        takes no longer) for the batch each is generating to reach the buffer, so a stop checkpoint skips
+        no prompt a searcher has started."""
         ray.get(self.buffer.set_stop.remote())
-        running = [*self.searchers.runs, *self._sync_runs]
+        running = self.searchers.runs  # the loops (async) or one-batch calls (sync) in flight
         if running:
-            ray.wait(running, num_returns=len(running), timeout=timeout_s)
+            ray.wait(running, num_returns=len(running), timeout=min(300.0, self.cfg.searcher.stall_timeout_s or 300.0))
 
     def _wait_for_fill(self) -> None:
         deadline = time.monotonic() + self.cfg.run.startup_timeout_s

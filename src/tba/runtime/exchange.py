@@ -8,6 +8,7 @@ round trip of a searcher both delivers its samples and fetches newer weights; it
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,12 +70,14 @@ class SearcherMetrics:
         self.reward_failures = 0
         self.gap_warnings = 0  # sync checks over searcher.sync_gap_bound (each batch reports its new ones)
         self.versions: dict[int, int] = {}  # searcher id -> policy version it generated its last batch with
+        self.last_seen: dict[int, float] = {}  # searcher id -> wall time (time.time()) of its newest call
         self._pending: dict[str, list[float]] = {}
 
     def add(self, n_samples: int, metrics: dict[str, float], searcher_id: int, version: int) -> None:
         """Count one searcher batch of ``n_samples`` with its ``searcher/*`` and ``sync/*`` metrics; the empty
         call a searcher makes when it (re)starts, before its first batch, leaves its version as it was.
         ``sync/gap_warnings`` (the batch's new warnings) is added to the run's count, not averaged."""
+        self.last_seen[searcher_id] = time.time()
         self.samples_added += n_samples
         self.reward_failures += int(metrics.get("searcher/reward_failures", 0))
         self.gap_warnings += int(metrics.get("sync/gap_warnings", 0))
