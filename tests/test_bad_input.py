@@ -75,6 +75,8 @@ CASES = [
     ("LoRA rank 0", lambda t: ["--model.lora.r", "0"], 2, "model.lora.r: Input should be greater than or equal to 1"),
     ("LoRA target that matches nothing", lambda t: ["--model.lora.r", "8", "model.lora.target_modules=[q_proj, qkv]"],
      1, "model.lora.target_modules: qkv match no module of"),
+    ("merged LoRA publication to hf searchers", lambda t: ["--model.lora.r", "8", "--model.lora.publish", "merged"],
+     2, "model.lora.publish: 'merged' is for vLLM searchers"),
     ("missing model folder", lambda t: ["--model.policy", str(t / "no_model")], 1, "no such file or folder"),
     ("not a gguf", lambda t: ["--model.policy", _bad_gguf(t), "--model.cache_dir", str(t / "c")], 1,
      "is not a loadable GGUF model"),

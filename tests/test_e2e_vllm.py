@@ -41,18 +41,22 @@ def test_vllm_searchers_get_weights_and_record_versions(tmp_path, cli):
     cli.assert_nothing_left()
 
 
-def test_vllm_searchers_and_evals_serve_lora_adapters(tmp_path, cli):
-    """With ``model.lora.r`` the searchers' and the eval's vLLM engines are LoRA engines (``lora_rank``, wired
-    in ``tba.runtime.build._vllm_engine``): they take the trainer's adapter publications (an engine of full
-    weights would refuse them), the searchers receive a trained version, and the eval after training runs
-    on the trainer's vLLM engine."""
+@pytest.mark.parametrize("publish", ["adapter", "auto"])
+def test_vllm_searchers_and_evals_serve_lora_adapters(tmp_path, cli, publish):
+    """With ``model.lora.r`` and ``model.lora.publish adapter`` the searchers' and the eval's vLLM engines are
+    LoRA engines (``lora_rank``, wired in ``tba.runtime.build._vllm_engine``) taking the trainer's adapter
+    publications (an engine of full weights would refuse them); with 'auto' on the CPU the trainer publishes
+    the adapter merged into full weights and the engines are full-weight ones (a LoRA engine would refuse
+    those). Either way the searchers receive a trained version, the sync check passes, and the eval after
+    training runs on the trainer's vLLM engine."""
     out = tmp_path / "lora"
     # sync mode: each step's batch is generated with the newest adapter, so the searcher must load one (an
     # async run this short can end before the searcher's first batch with new weights is delivered)
-    r = cli.run([*VLLM, "--model.lora.r", "8", "--max-steps", "4", "--mode", "sync", "--run.checkpoint_every", "3",
+    r = cli.run([*VLLM, "--model.lora.r", "8", "--model.lora.publish", publish, "--max-steps", "4", "--mode", "sync", "--run.checkpoint_every", "3",
                  "--output-dir", str(out)], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "engine vllm" in r.stdout and "evals with vllm" in r.stdout
+    assert ("published merged into full weights" in r.stdout) is (publish == "auto")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == 4 and summary["searcher_max_version"] >= 1
     assert summary["eval_after"]["n"] == 8

@@ -11,7 +11,7 @@ import torch
 from conftest import TINY_LAYERS
 from safetensors.torch import load_file
 
-from tba.adapters import adapter_off, adapter_tensors, add_adapter, load_adapter, pack_adapter
+from tba.adapters import adapter_off, adapter_tensors, add_adapter, load_adapter, merged_tensors, pack_adapter
 from tba.checkpoint import load_trainer, save_trainer
 from tba.config import LoraSettings, LossConfig, TrainerConfig
 from tba.engines.hf import HFEngine
@@ -20,7 +20,7 @@ from tba.models import load_causal_lm
 from tba.scoring import token_logprobs
 from tba.trainer import Trainer
 from tba.types import Batch, Sample
-from tba.weights import pack_weights
+from tba.weights import load_packed_weights, pack_weights, unique_tensors
 
 LORA = LoraSettings(r=4, alpha=8)
 TEMP = 0.7
@@ -150,6 +150,30 @@ def test_publication_sends_the_adapter_and_the_hf_engine_applies_it(model_path, 
     wrong_rank = add_adapter(load_causal_lm(model_path, torch.float32, TINY_LAYERS), LoraSettings(r=2))
     with pytest.raises(ValueError, match="does not match"):
         load_adapter(wrong_rank, packed)
+
+
+def test_merged_publication_equals_peft_merge_and_loads_into_the_base(model_path, tokenizer):
+    """``merged_tensors`` (the adapter merged into full weights, the model untouched) equals peft's
+    ``merge_and_unload`` tensor for tensor under the base's names; the trainer's merged pack loads into a
+    plain model of the base architecture (a full-weight engine's), whose log-probs then equal the peft
+    model's; the trainer's adapter is unchanged by packing."""
+    import copy
+
+    trainer_model = _peft(model_path, seed=0, random_b=True)
+    before = {n: p.clone() for n, p in trainer_model.named_parameters()}
+    merged = dict(merged_tensors(trainer_model))
+    want = dict(unique_tensors(copy.deepcopy(trainer_model).merge_and_unload()))
+    assert merged.keys() == want.keys() and all(torch.equal(merged[n], want[n]) for n in want)
+    trainer = Trainer(trainer_model, tokenizer.pad_token_id, TrainerConfig(), LossConfig(), 1.0, publish_merged=True)
+    packed = trainer.publish_weights(probe=False)
+    assert packed.adapter is None
+    plain = load_causal_lm(model_path, torch.float32, TINY_LAYERS).eval()
+    batch = _batch(tokenizer, [0.0] * 8)
+    with torch.no_grad():
+        assert (_logp(plain, batch) - _logp(trainer_model.eval(), batch)).abs().max() > 1e-3
+        load_packed_weights(plain, packed)
+        assert torch.allclose(_logp(plain, batch), _logp(trainer_model, batch), atol=1e-4)
+    assert all(torch.equal(p, before[n]) for n, p in trainer_model.named_parameters())
 
 
 def test_checkpoint_restores_adapter_and_optimizer_exactly_and_final_folder_reloads(model_path, tokenizer, tmp_path):

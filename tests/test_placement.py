@@ -11,7 +11,7 @@ import torch
 
 from tba.cli import main
 from tba.config import Config, ConfigError
-from tba.placement import check_engine, describe, resolve_placement, vllm_memory_share
+from tba.placement import check_engine, describe, publishes_merged, resolve_placement, vllm_memory_share
 
 
 def _cfg(**sections) -> Config:
@@ -95,6 +95,20 @@ def test_lora_rank_above_vllms_is_one_line_before_anything_starts(sections, tmp_
     err = capsys.readouterr().err
     assert rc == 2 and "model.lora.r: 1024 is above 512" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("engine, device, publish, merged", [
+    ("vllm", "cpu", "auto", True), ("vllm", "cuda", "auto", False), ("vllm", "cuda", "merged", True),
+    ("vllm", "cpu", "adapter", False), ("hf", "cpu", "auto", False),
+])
+def test_lora_publication_kind(engine, device, publish, merged):
+    """``model.lora.publish``: 'auto' merges for vLLM on the CPU only (measured faster there), the placement
+    line says so; hf searchers always get the adapter."""
+    cfg = resolve_placement(_cfg(model={"lora": {"r": 8, "publish": publish}, "device": device},
+                                 searcher={"engine": engine}), 1 if device == "cuda" else 0)
+    assert publishes_merged(cfg) is merged
+    assert ("published merged into full weights" in describe(cfg)) is merged
+    assert not publishes_merged(_cfg(model={"device": device}, searcher={"engine": engine}))  # no LoRA
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")

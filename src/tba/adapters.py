@@ -16,7 +16,7 @@ import torch
 
 from tba.config import LoraSettings
 from tba.types import PackedWeights
-from tba.weights import pack_tensors, unpack_weights
+from tba.weights import pack_tensors, unique_tensors, unpack_weights
 
 
 def lora_config(settings: LoraSettings):
@@ -75,6 +75,29 @@ def adapter_config_dict(model) -> dict:
 def pack_adapter(model, dtype: torch.dtype | None = None) -> PackedWeights:
     """The adapter of ``model`` packed for publication (:func:`tba.weights.pack_tensors`, ``adapter`` set)."""
     return pack_tensors(adapter_tensors(model), dtype, adapter=adapter_config_dict(model))
+
+
+def merged_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """The full weights of base + adapter under the base model's own names (what ``merge_and_unload``'s
+    model would hold, tied tensors once), computed without touching ``model``: each adapted layer's
+    ``base_layer.weight`` plus peft's ``get_delta_weight`` ((alpha / r) B A, LoRA eq. 3), the rest as is.
+    Packed with :func:`tba.weights.pack_tensors`, it loads into an engine of the base architecture."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    deltas = {name: m.get_delta_weight(m.active_adapters[0]) for name, m in base.named_modules()
+              if isinstance(m, LoraLayer)}
+    out = []
+    with torch.no_grad():
+        for name, t in unique_tensors(base):
+            if ".lora_" in name:
+                continue
+            module, _, leaf = name.removesuffix(".base_layer.weight").partition(".base_layer.")
+            if name.endswith(".base_layer.weight"):
+                out.append((f"{module}.weight", t + deltas[module].to(t.dtype)))
+            else:  # an adapted layer's other tensors (a bias) lose ".base_layer"; the rest keep their name
+                out.append((f"{module}.{leaf}" if leaf else name, t))
+    return out
 
 
 def load_adapter(model, packed: PackedWeights) -> None:

@@ -39,6 +39,13 @@ class LoraSettings(_Section):
         "all-linear", description="Modules that get an adapter: 'all-linear' (every linear layer but the LM head, "
         "peft's shorthand) or a list of module-name suffixes, e.g. [q_proj, v_proj].",
     )
+    publish: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="What publications carry to vLLM searchers: 'adapter' (served as a LoRARequest), "
+        "'merged' (the adapter merged into full weights, loaded as without LoRA), or 'auto': merged with vLLM on "
+        "the CPU, where decoding with the adapter ran at 0.17x the merged weights' tokens/s (benchmarks/README.md, "
+        "'vLLM with a LoRA adapter'), the adapter on CUDA (vLLM's LoRA kernels; not measured here). hf searchers "
+        "always get the adapter (their base is also their reference).",
+    )
 
 
 class ModelConfig(_Section):

@@ -103,6 +103,16 @@ def _split(cfg: Config, gpus: float) -> tuple[float, float]:
     return _ray_share(trainer, "trainer.num_gpus"), _ray_share(searcher, "searcher.num_gpus")
 
 
+def publishes_merged(cfg: Config) -> bool:
+    """Whether publications carry the LoRA adapter merged into full weights (``model.lora.publish``): only
+    for vLLM searchers; 'auto' merges on the CPU (measured faster there, see the field). ``cfg``: after
+    :func:`resolve_placement` (``model.device`` set)."""
+    lora = cfg.model.lora
+    if not lora.r or cfg.searcher.engine != "vllm":
+        return False
+    return lora.publish == "merged" or (lora.publish == "auto" and cfg.model.device == "cpu")
+
+
 def check_engine(cfg: Config) -> None:
     """Fail before anything starts when the configured engine's library is missing or cannot serve the run.
 
@@ -116,9 +126,13 @@ def check_engine(cfg: Config) -> None:
 
     Raises:
         ConfigError: ``searcher.engine`` or ``run.eval_engine`` is 'vllm' and ``model.lora.r`` is above vLLM's
-            largest LoRA rank, or vLLM is not installed (the message says what to install).
+            largest LoRA rank, or vLLM is not installed (the message says what to install); a merged
+            publication (``model.lora.publish``) asked for hf searchers.
     """
     r = cfg.model.lora.r
+    if r and cfg.model.lora.publish == "merged" and cfg.searcher.engine != "vllm":
+        raise ConfigError("model.lora.publish: 'merged' is for vLLM searchers; an hf searcher applies the adapter "
+                          "to its base, which is also its reference (use 'auto' or 'adapter', or searcher.engine vllm)")
     for field, engine in (("searcher.engine", cfg.searcher.engine), ("run.eval_engine", cfg.run.eval_engine)):
         if engine == "vllm" and r is not None and r > VLLM_MAX_LORA_RANK:
             raise ConfigError(f"model.lora.r: {r} is above {VLLM_MAX_LORA_RANK}, the largest LoRA rank vLLM serves "
@@ -146,9 +160,11 @@ def reference_location(cfg: Config) -> str:
 
 def _reference_text(cfg: Config) -> str:
     where = reference_location(cfg)
+    sent = ", published merged into full weights" if publishes_merged(cfg) else ""
     if where.endswith("-base"):
-        return f"LoRA r={cfg.model.lora.r}, reference = the {where.split('-')[0]}'s base with the adapter off"
-    return f"reference on the {where}" + (" (a separate copy)" if cfg.model.lora.r else "")
+        return f"LoRA r={cfg.model.lora.r}{sent}, reference = the {where.split('-')[0]}'s base with the adapter off"
+    lora = f"LoRA r={cfg.model.lora.r}{sent}, " if cfg.model.lora.r else ""
+    return f"{lora}reference on the {where}" + (" (a separate copy)" if cfg.model.lora.r else "")
 
 
 def describe(cfg: Config) -> str:

@@ -11,12 +11,12 @@ import time
 
 import torch
 
-from tba.adapters import adapter_off, has_adapter, pack_adapter
+from tba.adapters import adapter_off, has_adapter, merged_tensors, pack_adapter
 from tba.config import LossConfig, TrainerConfig
 from tba.losses import LOSSES, LossInputs
 from tba.scoring import token_logprobs, unpadded
 from tba.types import Batch, PackedWeights, Probe
-from tba.weights import pack_weights
+from tba.weights import pack_tensors, pack_weights
 
 #: responses in the sync check's probe (:meth:`Trainer.probe`): one per prompt of the first batch, in order
 PROBE_SAMPLES = 4
@@ -75,13 +75,15 @@ class Trainer:
             here, once per draw. ``model`` itself when it holds an adapter: pi_ref is then its base, scored
             with the adapter off under the policy's autocast (so an untrained adapter scores pi_ref exactly).
             None: every sample must carry them.
+        publish_merged: with an adapter, :meth:`publish_weights` packs it merged into full weights
+            (``model.lora.publish``) instead of the adapter alone.
 
     Raises:
         ValueError: ``loss.name`` is not a key of :data:`tba.losses.LOSSES`.
     """
 
     def __init__(self, model, pad_id: int, cfg: TrainerConfig, loss: LossConfig, temperature: float,
-                 autocast_dtype: torch.dtype | None = None, ref_model=None):
+                 autocast_dtype: torch.dtype | None = None, ref_model=None, publish_merged: bool = False):
         if loss.name not in LOSSES:
             raise ValueError(f"loss.name '{loss.name}' is unknown; allowed: {', '.join(LOSSES)}")
         self.model = model.train()
@@ -91,6 +93,7 @@ class Trainer:
         self.temperature = temperature
         self.autocast_dtype = autocast_dtype
         self.ref_model = ref_model
+        self.publish_merged = publish_merged
         # a peft model's base is frozen: AdamW holds state for the adapter only
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -234,9 +237,15 @@ class Trainer:
     def publish_weights(self, dtype: torch.dtype | None = None, probe: bool = True) -> PackedWeights:
         """The policy weights for the searchers, packed in one CPU buffer and cast to ``dtype`` (see
         :func:`tba.weights.pack_weights`; bf16 halves the bytes); with an adapter, the adapter only
-        (:func:`tba.adapters.pack_adapter`). The pack carries the sync check's :meth:`probe` unless ``probe``
+        (:func:`tba.adapters.pack_adapter`), or with ``publish_merged`` base + adapter as full weights
+        (:func:`tba.adapters.merged_tensors`). The pack carries the sync check's :meth:`probe` unless ``probe``
         is False (a pack no searcher checks: the eval engine's)."""
-        packed = pack_adapter(self.model, dtype) if has_adapter(self.model) else pack_weights(self.model, dtype)
+        if not has_adapter(self.model):
+            packed = pack_weights(self.model, dtype)
+        elif self.publish_merged:
+            packed = pack_tensors(merged_tensors(self.model), dtype)
+        else:
+            packed = pack_adapter(self.model, dtype)
         packed.probe = self.probe() if probe else None
         return packed
 

@@ -17,8 +17,8 @@ from tba.types import PackedWeights
 _ALIGN = 64  # bytes; every tensor starts aligned so a byte slice can be viewed as any dtype
 
 
-def _unique_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``state_dict`` entries with tied tensors (same storage, shape and dtype) kept once, first name wins."""
+def unique_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``model.state_dict()`` entries with tied tensors (same storage, shape and dtype) kept once, first name wins."""
     seen, out = set(), []
     for name, t in model.state_dict().items():
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
@@ -38,7 +38,7 @@ def pack_weights(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Pa
     Returns:
         :class:`PackedWeights`, ~2 bytes per parameter for bf16, tied parameters once.
     """
-    return pack_tensors(_unique_tensors(model), dtype)
+    return pack_tensors(unique_tensors(model), dtype)
 
 
 def pack_tensors(tensors: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None = None,
@@ -67,7 +67,7 @@ def load_packed_weights(model: torch.nn.Module, packed: PackedWeights) -> None:
     if packed.adapter is not None:
         raise ValueError("published weights are a LoRA adapter, but this model has none (model.lora.r must be "
                          "the same for searchers and trainer)")
-    target = dict(_unique_tensors(model))
+    target = dict(unique_tensors(model))
     names = {name for name, *_ in packed.entries}
     if names != set(target) or any(tuple(target[n].shape) != tuple(s) for n, _, s, _ in packed.entries):
         missing, unexpected = sorted(set(target) - names), sorted(names - set(target))

@@ -13,7 +13,7 @@ from tba.config import Config
 from tba.engines.base import Engine
 from tba.engines.hf import HFEngine
 from tba.models import enable_activation_checkpointing, load_causal_lm, load_tokenizer, pick_dtype, truncated_copy
-from tba.placement import reference_location, vllm_memory_share
+from tba.placement import publishes_merged, reference_location, vllm_memory_share
 from tba.searcher import Searcher
 from tba.tasks import build_task
 from tba.trainer import Trainer
@@ -81,7 +81,7 @@ def build_eval_engine(cfg: Config, policy_path: str, policy, tokenizer, task) ->
 def _vllm_engine(cfg: Config, policy_path: str, tokenizer, task, problems, **engine_kw) -> Engine:
     """A ``VLLMEngine`` on the policy (cut to ``model.num_hidden_layers``) in the generation dtype, its
     sequences sized by the longest prompt of ``problems`` plus ``searcher.max_new_tokens``, serving LoRA
-    adapters of rank ``model.lora.r`` when one is set (the trainer then publishes adapters only);
+    adapters of rank ``model.lora.r`` when the trainer publishes adapters (not merged: :func:`publishes_merged`);
     ``engine_kw``: the caller's device, ``max_num_seqs``, threads, seed (and GPU share)."""
     from tba.engines.vllm import VLLMEngine
 
@@ -89,7 +89,8 @@ def _vllm_engine(cfg: Config, policy_path: str, tokenizer, task, problems, **eng
     folder = truncated_copy(policy_path, n, cfg.model.cache_dir) if n else policy_path
     longest = max(len(task.encode(tokenizer, p)) for p in problems)
     return VLLMEngine(folder, dtype=pick_dtype(cfg.model.dtype), max_model_len=longest + cfg.searcher.max_new_tokens,
-                      kv_cache_gib=cfg.searcher.kv_cache_gib, lora_rank=cfg.model.lora.r, **engine_kw)
+                      kv_cache_gib=cfg.searcher.kv_cache_gib,
+                      lora_rank=None if publishes_merged(cfg) else cfg.model.lora.r, **engine_kw)
 
 
 def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: int) -> Searcher:
@@ -139,7 +140,8 @@ def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None) ->
             raise ValueError("model.reference_on is 'trainer': build_trainer needs the reference model's path")
         ref = load_causal_lm(ref_path, compute, cfg.model.num_hidden_layers).to(device)
     trainer = Trainer(model, tok.pad_token_id, cfg.trainer, cfg.loss, cfg.searcher.temperature,
-                      autocast_dtype=compute if compute != torch.float32 else None, ref_model=ref)
+                      autocast_dtype=compute if compute != torch.float32 else None, ref_model=ref,
+                      publish_merged=publishes_merged(cfg))
     return trainer, tok
 
 
