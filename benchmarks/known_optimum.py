@@ -21,7 +21,8 @@ real runtime (``tba.train``: Ray, searcher, buffer, trainer), and differs only i
 
 Arms (:data:`ARMS`): ``tb``, ``rloo``, ``grpo``, ``dr_grpo``, ``ppo_clip-is2`` (truncated importance weight
 at 2) and ``online_dpo``, all at the config's beta; TB's knobs (``tb-clip1``: gradient clipping at 1,
-``tb-beta0.2``: beta 0.2, whose own pi* is the target it is measured against) run at ``L0`` and ``frozen``.
+``tb-beta0.2``: beta 0.2, whose own pi* is the target it is measured against; ``tb-logz``: a learned log Z
+per prompt instead of VarGrad's batch estimate) run at ``L0`` and ``frozen``.
 
 Seeds ``run.seed`` are paired: each arm and setting of a seed shares its searcher's and trainer's seed;
 the model, prompts and modes are the task's (fixed). Cells run seed-major, decisive settings first. Each
@@ -86,9 +87,10 @@ ARMS: dict[str, tuple[str, dict[str, Any]]] = {
     "online_dpo": ("online_dpo", {}),
     "tb-clip1": ("tb", {"trainer.grad_clip": 1.0}),
     "tb-beta0.2": ("tb", {"trainer.beta_start": 0.2, "trainer.beta_end": 0.2}),
+    "tb-logz": ("tb", {"loss.log_z": "learned"}),
 }
 MAIN_ARMS = ("tb", "rloo", "grpo", "dr_grpo", "ppo_clip-is2", "online_dpo")
-KNOB_ARMS = ("tb-clip1", "tb-beta0.2")
+KNOB_ARMS = ("tb-logz", "tb-clip1", "tb-beta0.2")
 KNOB_SETTINGS = ("L0", "frozen")
 
 #: setting -> its overrides; listed in the order cells of one seed run

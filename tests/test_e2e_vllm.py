@@ -52,7 +52,8 @@ def test_vllm_searchers_and_evals_serve_lora_adapters(tmp_path, cli, publish):
     out = tmp_path / "lora"
     # sync mode: each step's batch is generated with the newest adapter, so the searcher must load one (an
     # async run this short can end before the searcher's first batch with new weights is delivered)
-    r = cli.run([*VLLM, "--model.lora.r", "8", "--model.lora.publish", publish, "--max-steps", "4", "--mode", "sync", "--run.checkpoint_every", "3",
+    r = cli.run([*VLLM, "--model.lora.r", "8", "--model.lora.publish", publish, "--max-steps", "4", "--mode", "sync",
+                 "--run.checkpoint_every", "3",
                  "--output-dir", str(out)], timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "engine vllm" in r.stdout and "evals with vllm" in r.stdout

@@ -81,6 +81,18 @@ def test_tb_hand_values_and_padding_ignored():
     assert close(loss_other_pad, 2.25)
 
 
+def test_tb_learned_log_z_hand_values():
+    # the batch above with a learned log Z = 0.5 instead of the VarGrad 1.0:
+    # resid = logZ + s - target = [0.5 - 3 + 0.5, 0.5 - 0.5 + 1] = [-2, 1]; loss = (4 + 1) / 2 = 2.5
+    # d loss / d s = 2/(B*K) * resid = [-2, 1]; d loss / d logZ = sum_j 2/(B*K) * resid_j = -2 + 1 = -1
+    inp = _tb_batch(0.5, PAD)
+    inp.log_z = torch.tensor([0.5], dtype=F64, requires_grad=True)
+    loss, m = trajectory_balance(inp, LossConfig(log_z="learned"))
+    assert close(loss, 2.5) and m["loss/log_z_mean"] == pytest.approx(0.5)
+    loss.backward()
+    assert close(inp.logp.grad, [[-2.0, -2.0], [1.0, 0.0]]) and close(inp.log_z.grad, [-1.0])
+
+
 def test_tb_applies_the_current_beta():
     # beta = 1: r/beta = [1, 0]; target = [-1.5, -1]; target - s = [1.5, -0.5]; log Z = 0.5
     # resid = [0.5 - 3 + 1.5, 0.5 - 0.5 + 1] = [-1, 1]; loss = 1  (2.25 at beta = 0.5, same raw rewards)

@@ -200,6 +200,15 @@ class LossConfig(_Section):
     name: Literal["tb", "rloo", "grpo", "dr_grpo", "ppo_clip", "online_dpo"] = Field(
         "tb", description="Objective; tb = trajectory balance with VarGrad log Z (the TBA paper)."
     )
+    log_z: Literal["vargrad", "learned"] = Field(
+        "vargrad", description="tb: log Z per prompt estimated from the batch's K responses (vargrad, the TBA "
+        "paper's; no parameter) or learned: one trained scalar per training prompt, starting at 0 (Malkin et al. "
+        "2022, trajectory balance as first proposed), with its own learning rate log_z_lr.",
+    )
+    log_z_lr: float = Field(
+        0.1, gt=0, description="tb with log_z learned: AdamW learning rate of the log Z table (constant, no weight "
+        "decay, not clipped with the policy's gradient); log Z is in nats, so it moves about this much per step.",
+    )
     clip_eps: float = Field(
         0.2, gt=0, description="PPO ratio clip of grpo, dr_grpo and ppo_clip: a token whose ratio pi_theta / "
         "pi_behaviour has left [1 - clip_eps, 1 + clip_eps] in the direction its advantage pushes gets no gradient "

@@ -39,6 +39,8 @@ class LossInputs:
         group_size: K, responses per prompt; N must be divisible by K.
         beta: KL coefficient in effect now (docs/algorithm.md section 1: the current beta also rescales
             old samples).
+        log_z: [B] learned log Z of each group's prompt, with grad (``loss.log_z: learned``); None: TB
+            estimates it from the group (VarGrad). Only ``tb`` reads it.
     """
 
     logp: torch.Tensor
@@ -48,6 +50,7 @@ class LossInputs:
     reward: torch.Tensor
     group_size: int
     beta: float
+    log_z: torch.Tensor | None = None
 
 
 _DEFAULT_HP = LossConfig()  # pydantic sections are validated once and never mutated here
@@ -123,6 +126,9 @@ def trajectory_balance(
     log Zhat(x_i) = mean_j [ r_ij / beta + log pi_ref(y_ij|x_i) - log pi_theta(y_ij|x_i) ]
     loss = mean_ij resid_ij ** 2
 
+    With ``inp.log_z`` (a learned log Z per prompt, Malkin et al. 2022 eq. 14) it replaces SG[log Zhat],
+    and the loss trains it too: d loss / d log Z(x_i) = 2 / (B K) sum_j resid_ij.
+
     Log-probs are sequence sums over unmasked tokens (no length normalisation). Valid for samples from any
     behaviour policy, so ``behaviour_logp`` and ``hp`` are not used. On-policy its gradient w.r.t. the
     sequence log-prob is -2 / (beta * B * K) * A_ij, with A_ij the KL-regularised REINFORCE advantage
@@ -142,7 +148,10 @@ def trajectory_balance(
     logp = _seq(inp.logp, inp.mask)  # [N]
     ref_logp = _seq(inp.ref_logp, inp.mask)  # [N]
     target = inp.reward / inp.beta + ref_logp  # [N], log of the unnormalised optimum pi_ref * exp(r/beta)
-    log_z = (target - logp).detach().view(-1, k).mean(-1, keepdim=True)  # [B, 1], stop-gradient
+    if inp.log_z is None:
+        log_z = (target - logp).detach().view(-1, k).mean(-1, keepdim=True)  # [B, 1], stop-gradient
+    else:
+        log_z = inp.log_z.view(-1, 1)  # [B, 1], trained
     resid = log_z + logp.view(-1, k) - target.view(-1, k)  # [B, K]
     loss = resid.pow(2).mean()
     metrics = {

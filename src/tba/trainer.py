@@ -77,13 +77,17 @@ class Trainer:
             None: every sample must carry them.
         publish_merged: with an adapter, :meth:`publish_weights` packs it merged into full weights
             (``model.lora.publish``) instead of the adapter alone.
+        num_prompts: training prompts (``Sample.prompt_id`` < this): the size of the learned log Z table
+            (``loss.log_z: learned``, :attr:`log_z`); needed only then.
 
     Raises:
-        ValueError: ``loss.name`` is not a key of :data:`tba.losses.LOSSES`.
+        ValueError: ``loss.name`` is not a key of :data:`tba.losses.LOSSES`; a learned log Z without
+            ``num_prompts``.
     """
 
     def __init__(self, model, pad_id: int, cfg: TrainerConfig, loss: LossConfig, temperature: float,
-                 autocast_dtype: torch.dtype | None = None, ref_model=None, publish_merged: bool = False):
+                 autocast_dtype: torch.dtype | None = None, ref_model=None, publish_merged: bool = False,
+                 num_prompts: int | None = None):
         if loss.name not in LOSSES:
             raise ValueError(f"loss.name '{loss.name}' is unknown; allowed: {', '.join(LOSSES)}")
         self.model = model.train()
@@ -96,13 +100,47 @@ class Trainer:
         self.publish_merged = publish_merged
         # a peft model's base is frozen: AdamW holds state for the adapter only
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        groups = [{"params": self.params}]
+        self.log_z: torch.nn.Parameter | None = None  # [num_prompts] nats, loss.log_z learned only
+        if loss.name == "tb" and loss.log_z == "learned":
+            if not num_prompts:
+                raise ValueError("loss.log_z learned: the trainer needs num_prompts (the log Z table's size)")
+            self.log_z = torch.nn.Parameter(torch.zeros(num_prompts, device=next(model.parameters()).device))
+            groups.append({"params": [self.log_z], "lr": loss.log_z_lr, "weight_decay": 0.0})
+        self.optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_schedule, cfg.max_steps, cfg.warmup_steps,
                                          cfg.decay_steps)
+        if self.log_z is not None:  # the log Z table keeps its constant rate
+            self.scheduler.lr_lambdas[1] = lambda step: 1.0
+            self.optimizer.param_groups[1]["lr"] = loss.log_z_lr
         self.step_count = 0
         self.skipped_steps = 0
         # (prompt ids, response ids) of the sync check's probe responses, fixed at the first step (checkpointed)
         self.probe_tokens: list[tuple[list[int], list[int]]] | None = None
+
+    def extra_state(self) -> dict:
+        """The trainer's state besides weights, optimizer and scheduler, JSON-safe, for checkpoints: step,
+        skipped steps, the sync check's probe responses and the learned log Z table (float32 values, exact
+        through JSON's float64)."""
+        return {"step": self.step_count, "skipped_steps": self.skipped_steps, "probe": self.probe_tokens,
+                "log_z": None if self.log_z is None else self.log_z.tolist()}
+
+    def load_extra_state(self, extra: dict) -> None:
+        """Restore :meth:`extra_state` (a checkpoint from before the sync check has no probe).
+
+        Raises:
+            ValueError: the trainer learns log Z and the checkpoint has no table (it was written with
+                ``loss.log_z: vargrad``), or one of another size.
+        """
+        self.step_count, self.skipped_steps = extra["step"], extra["skipped_steps"]
+        self.probe_tokens = extra.get("probe")
+        if self.log_z is not None:
+            table = extra.get("log_z")
+            if table is None or len(table) != len(self.log_z):
+                raise ValueError(f"checkpoint has no learned log Z table of {len(self.log_z)} prompts: was "
+                                 "loss.log_z or the task changed since?")
+            with torch.no_grad():
+                self.log_z.copy_(torch.tensor(table, dtype=torch.float32))
 
     def beta_at(self, step: int) -> float:
         """KL coefficient beta at trainer ``step`` (:func:`linear_beta` over the config's anneal)."""
@@ -166,6 +204,7 @@ class Trainer:
             mask=_pad_rows([[1.0] * len(s.response_ids) for s in samples], width).to(dev),
             reward=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=dev),
             group_size=batch.group_size, beta=beta,
+            log_z=None if self.log_z is None else self.log_z[[s.prompt_id for s in samples[::batch.group_size]]],
         )
 
     def step(self, batch: Batch) -> dict[str, float]:
@@ -194,7 +233,11 @@ class Trainer:
         if single:
             loss.backward()
         else:
-            self._backward_micro(prompts, responses, torch.autograd.grad(loss, inp.logp)[0])
+            wrt = [inp.logp] + ([self.log_z] if self.log_z is not None else [])
+            grads = torch.autograd.grad(loss, wrt)
+            if self.log_z is not None:
+                self.log_z.grad = grads[1]
+            self._backward_micro(prompts, responses, grads[0])
         # max_norm inf measures the norm and scales nothing
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf))
         skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm))

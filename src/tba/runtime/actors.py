@@ -137,8 +137,8 @@ class TrainerActor:
 
         quiet_libraries(run_dir, "trainer")
         self.cfg = Config.model_validate(cfg)
-        self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path, ref_path)
         self.task = build_task(self.cfg)
+        self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path, ref_path, len(self.task.train))
         self.gen_dtype = generation_dtype(self.cfg)
         self.evaluator = PolicyEvaluator(self.cfg, policy_path, self.tokenizer, self.task)
 
@@ -163,14 +163,12 @@ class TrainerActor:
         """Weights, optimizer, scheduler, step and RNG into ``directory`` (safetensors + JSON)."""
         t = self.trainer
         checkpoint.save_trainer(Path(directory), t.model, t.optimizer, t.scheduler,
-                                {"step": t.step_count, "skipped_steps": t.skipped_steps, "probe": t.probe_tokens})
+                                t.extra_state())
 
     def load_checkpoint(self, directory: str) -> int:
         """Restore :meth:`save_checkpoint`; returns the trainer step."""
         t = self.trainer
-        extra = checkpoint.load_trainer(Path(directory), t.model, t.optimizer, t.scheduler)
-        t.step_count, t.skipped_steps = extra["step"], extra["skipped_steps"]
-        t.probe_tokens = extra.get("probe")  # the sync check's probe responses (absent in older checkpoints)
+        t.load_extra_state(checkpoint.load_trainer(Path(directory), t.model, t.optimizer, t.scheduler))
         return t.step_count
 
     def save(self, path: str) -> str:

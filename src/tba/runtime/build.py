@@ -114,13 +114,16 @@ def build_searcher(cfg: Config, policy_path: str, ref_path: str, searcher_id: in
                     score_micro_batch=cfg.trainer.micro_batch_size, seed=cfg.run.seed)
 
 
-def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None) -> tuple[Trainer, object]:
+def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None,
+                  num_prompts: int | None = None) -> tuple[Trainer, object]:
     """The trainer (float32 master weights, bf16 autocast where supported) on ``model.device``, and its
     tokenizer. It holds a reference model (generation dtype, as the searchers would) when
-    ``model.reference_on`` is 'trainer'.
+    ``model.reference_on`` is 'trainer'. ``num_prompts``: the task's training prompts (the learned log Z
+    table's size, ``loss.log_z: learned``).
 
     Raises:
-        ValueError: ``model.reference_on`` is 'trainer' and no ``ref_path`` is given.
+        ValueError: ``model.reference_on`` is 'trainer' and no ``ref_path`` is given; a learned log Z
+            without ``num_prompts``.
     """
     torch.set_num_threads(cfg.trainer.threads)
     torch.manual_seed(cfg.run.seed)
@@ -141,7 +144,7 @@ def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None) ->
         ref = load_causal_lm(ref_path, compute, cfg.model.num_hidden_layers).to(device)
     trainer = Trainer(model, tok.pad_token_id, cfg.trainer, cfg.loss, cfg.searcher.temperature,
                       autocast_dtype=compute if compute != torch.float32 else None, ref_model=ref,
-                      publish_merged=publishes_merged(cfg))
+                      publish_merged=publishes_merged(cfg), num_prompts=num_prompts)
     return trainer, tok
 
 
