@@ -248,7 +248,8 @@ def _plot(cfg, run_dir: Path, summary: dict) -> None:
     if (run_dir / "metrics.jsonl").stat().st_size:
         summary["learning_curve"] = str(plot_learning_curve(
             run_dir / "metrics.jsonl", run_dir / "learning_curve.png",
-            ("searcher/reward_mean", "train/reward_mean", f"loss/{cfg.loss.name}", "buffer/staleness_mean")))
+            ("searcher/reward_mean", "train/reward_mean", f"loss/{cfg.loss.name}", "buffer/staleness_mean"),
+            summary.get("eval_before"), summary.get("eval_after")))
 
 
 def _check_prompts(task, model_path: str, max_new_tokens: int) -> None:

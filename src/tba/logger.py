@@ -277,9 +277,33 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def plot_learning_curve(metrics_path: Path, out_png: Path,
-                        keys: tuple[str, ...] = ("train/reward_mean",)) -> Path:
-    """Plot each key against trainer step (one panel per key, present keys only) to ``out_png``."""
+#: the held-out eval's main number per task, in the order looked for (the first present is plotted)
+EVAL_MAIN_KEYS = ("accuracy", "attack_success_rate", "win_rate", "kl")
+
+
+def eval_series(records: list[dict], before: dict | None = None, after: dict | None = None,
+                last_step: int | None = None) -> tuple[str, list[tuple[int, float, float | None]]] | None:
+    """The held-out eval's main number over training: (its name, [(step, value, standard error or None)]),
+    from the ``eval/*`` records of ``run.eval_every`` plus the evals before training (step 0) and after it
+    (``last_step``), as the summary holds them (``{"accuracy": ..., "stderr": ...}``). None without any eval.
+    The main number is the first of :data:`EVAL_MAIN_KEYS` present; a task without a ``stderr`` (the
+    known-optimum task's exact quantities) has None there."""
+    points = [(0, before)] if before else []
+    points += [(r["step"], {k[5:]: v for k, v in r.items() if k.startswith("eval/")}) for r in records
+               if any(k.startswith("eval/") for k in r)]
+    if after and last_step is not None:
+        points.append((last_step, after))
+    key = next((k for k in EVAL_MAIN_KEYS if any(k in e for _, e in points)), None)
+    if key is None:
+        return None
+    return key, [(step, float(e[key]), e.get("stderr")) for step, e in points if key in e]
+
+
+def plot_learning_curve(metrics_path: Path, out_png: Path, keys: tuple[str, ...] = ("train/reward_mean",),
+                        before: dict | None = None, after: dict | None = None) -> Path:
+    """Plot to ``out_png``: first the held-out eval's main number with one standard error bars
+    (:func:`eval_series`; ``before`` / ``after``: the evals before and after training), then each of
+    ``keys`` against trainer step (one panel per key, present keys only)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -287,8 +311,18 @@ def plot_learning_curve(metrics_path: Path, out_png: Path,
 
     records = read_metrics(metrics_path)
     keys = tuple(k for k in keys if any(k in r for r in records)) or ("train/reward_mean",)
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.4 * len(keys)), sharex=True, squeeze=False)
-    for ax, key in zip(axes[:, 0], keys):
+    last = max((r["step"] for r in records if "step" in r), default=None)
+    evals = eval_series(records, before, after, last)
+    fig, axes = plt.subplots(len(keys) + bool(evals), 1, figsize=(7, 2.4 * (len(keys) + bool(evals))), sharex=True,
+                             squeeze=False)
+    if evals:
+        name, pts = evals
+        ax = axes[0, 0]
+        ax.errorbar([s for s, _, _ in pts], [v for _, v, _ in pts],
+                    yerr=[e or 0.0 for _, _, e in pts], fmt="o-", ms=4, capsize=3, lw=1.2, color="C3")
+        ax.set_ylabel(f"held-out {name}" + (" (± 1 s.e.)" if any(e for _, _, e in pts) else ""), fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax, key in zip(axes[int(bool(evals)):, 0], keys):
         pts = [(r["step"], r[key]) for r in records if key in r]
         if pts:
             xs, ys = zip(*pts)
