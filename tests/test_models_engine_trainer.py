@@ -343,6 +343,10 @@ def test_searcher_step_produces_scored_samples(tiny_model, model_path, tokenizer
     assert all(abs(sum(x.logprobs) - x.ref_logprob) < 1e-2 for x in samples)
     assert all(x.policy_version == 0 and x.searcher_id == 1 for x in samples)
     assert 0.0 <= metrics["searcher/reward_mean"] <= 1.0
+    # distinct responses per prompt / S, averaged over the two prompts, recounted from the samples
+    groups = {pid: {tuple(x.response_ids) for x in samples if x.prompt_id == pid}
+              for pid in {x.prompt_id for x in samples}}
+    assert metrics["searcher/distinct_frac"] == pytest.approx(sum(len(g) / 3 for g in groups.values()) / 2)
     # the shard cycles without repeats: the next batch finishes the epoch with the remaining prompt
     s.load_weights(5, pack_weights(tiny_model))
     samples2, _ = s.step()

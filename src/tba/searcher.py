@@ -169,6 +169,9 @@ class Searcher:
             "searcher/reward_failures": float(failures),
             "searcher/gen_tokens_per_s": n_tokens / max(t_gen, 1e-9),
             "searcher/response_len_mean": n_tokens / max(1, len(flat)),
+            # distinct responses per prompt / S: 1 = every sample differs, 1/S = the policy has collapsed
+            "searcher/distinct_frac": sum(len({tuple(g.response_ids) for g in group}) / max(1, len(group))
+                                          for group in gens) / max(1, len(gens)),
             "searcher/step_s": time.perf_counter() - t0,
             "sync/gap_warnings": float(self._gap_warnings),
         }
