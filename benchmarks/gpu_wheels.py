@@ -39,7 +39,6 @@ import csv
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
