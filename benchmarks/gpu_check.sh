@@ -3,7 +3,7 @@
 # index, and only the repository plus the wheel folder carried along (benchmarks/gpu_wheels/, built here by
 # `python benchmarks/gpu_wheels.py`; see benchmarks/README.md, "GPU check"). Ray and vLLM cannot travel (their
 # wheels exceed the 64 MiB carry), so what needs them is skipped, each with its reason. Steps, each recorded even
-# when an earlier one failed, in under 8 minutes on one H200:
+# when an earlier one failed, in under 8 minutes on one H200 (timeouts: tests 300 s, benchmark 150 s):
 #   1. install the folder's wheels into a fresh target folder (pip --no-index --no-deps --find-links: the folder
 #      only, pip's config ignored), put it and src/ on PYTHONPATH; the preinstalled CUDA torch is used;
 #   2. the GPU-marked tests (every tests/test_*.py holding a `pytest.mark.gpu`) on the folder's 2-layer SmolLM2
@@ -12,7 +12,8 @@
 #      ones skip with their reason;
 #   3. the throughput benchmark without Ray or vLLM: the bf16 matmul peak, tba's engine vs model.generate
 #      (tokens/s), the trainer's MFU against the peak.
-# All figures, versions, per-test outcomes and skip reasons go to ONE file, OUT_DIR/gpu_check.json (logs beside).
+# All figures, versions, per-test outcomes and skip reasons go to ONE file, OUT_DIR/gpu_check.json (beside it, 6
+# more: install.log, gpu_tests.log/.xml, throughput.log/.json/.md; a device call returns at most 8 files).
 #
 #   bash benchmarks/gpu_check.sh [OUT_DIR]            # on the GPU machine; default OUT_DIR benchmarks/results/gpu
 #   bash benchmarks/gpu_check.sh --dry-run [OUT_DIR]  # here, on a CPU: the same steps in a venv that holds only
@@ -52,7 +53,6 @@ model="$wheels/$(sed -n 's/.*"model": "\(.*\)".*/\1/p' "$wheels/manifest.json")"
     -r "$wheels/requirements.txt" > "$out/install.log" 2>&1
 install_rc=$?
 export PYTHONPATH="$tmp/site:$PWD/src" TBA_TEST_MODEL="$model" TBA_CACHE="$tmp/cache"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>/dev/null
 
 # 1b. what the tests and the benchmark import, the lazy imports too (the GPU tests skip on a CPU, so a dry run
 #     learns of a missing wheel here): tba's modules, the GGUF loader, math-verify's parse and verify
@@ -71,7 +71,7 @@ if [ $install_only = 0 ]; then
 
 # 2. the GPU-marked tests
 tests=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
-timeout 330 "$py" -m pytest -q -rs -m gpu -p no:cacheprovider $tests --junitxml "$out/gpu_tests.xml" \
+timeout 300 "$py" -m pytest -q -rs -m gpu -p no:cacheprovider $tests --junitxml "$out/gpu_tests.xml" \
     > "$out/gpu_tests.log" 2>&1
 tests_rc=$?
 
@@ -85,7 +85,7 @@ if [ $dry = 1 ]; then
 else
     sizes=(--device cuda --batch-sizes 32 128 --max-new-tokens 64 --repeats 3 --train-steps 5 --matmul-n 8192)
 fi
-timeout 200 "$py" benchmarks/throughput.py "${common[@]}" "${sizes[@]}" > "$out/throughput.log" 2>&1
+timeout 150 "$py" benchmarks/throughput.py "${common[@]}" "${sizes[@]}" > "$out/throughput.log" 2>&1
 throughput_rc=$?
 fi
 
@@ -165,6 +165,18 @@ def last_line(path):
     return lines[-1] if lines else None
 
 
+def nvidia_smi():
+    """nvidia-smi's name, memory and driver of each GPU, or None where it is absent."""
+    import subprocess
+
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() or None
+
+
 def cuda_device():
     try:
         import torch
@@ -176,7 +188,7 @@ def cuda_device():
 
 report = {
     "dry_run": bool(dry),
-    "gpu": ((out / "gpu.txt").read_text().strip() if (out / "gpu.txt").is_file() else "") or None,
+    "gpu": nvidia_smi(),
     "cuda_device": cuda_device(),
     "python": platform.python_version(), "versions": v,
     "install": {"rc": install_rc, "folder": str(wheels),
@@ -199,5 +211,6 @@ brief["throughput_rc"] = thr_rc
 print(json.dumps(brief))
 EOF
 report_rc=$?
+cat "$out/imports.log" >> "$out/install.log" && rm -f "$out/imports.log"  # at most 8 files come back from a device
 rm -rf "$tmp"
 exit $(( install_rc || imports_rc || tests_rc || throughput_rc || report_rc ))
