@@ -101,6 +101,7 @@ def _client_class(ray):
             self.prompt_len, self.response_len = prompt_len, response_len
 
         def ready(self) -> bool:
+            """True once the actor is constructed."""
             return True
 
         def run(self, buffer, thread: int, until: float) -> dict:
@@ -135,9 +136,12 @@ def _fetcher_class(ray):
             self.sid = sid
 
         def ready(self) -> bool:
+            """True once the actor is constructed."""
             return True
 
         def fetch(self, buffer, have_version: int) -> dict:
+            """One searcher's pick-up: ``buffer.add`` with version ``have_version``, ``ray.get`` of the offered
+            pack, one read of every byte; the seconds of each part and the version received."""
             import numpy as np
 
             t0 = time.perf_counter()
