@@ -86,6 +86,12 @@ shared cores)::
     python benchmarks/throughput.py --threads 1 --batch-sizes 8 32 --repeats 3 --skip trainer publish \\
         --out benchmarks/results/throughput-vllm.md
 
+On a machine without Ray or vLLM (the GPU check, ``benchmarks/gpu_check.sh``): ``--skip publish`` and
+``--engines engine generate`` import neither; ``--set`` points the config at a carried model and data::
+
+    python benchmarks/throughput.py --device cuda --config configs/gsm8k.yaml --set model.policy=MODEL.gguf \\
+        --set task.source=tests/data/gsm8k --engines engine generate --skip publish --out /tmp/thr.md
+
 Recount a results JSON's trainer MFU with the current FLOP count (``train_step_flops``; measures nothing)::
 
     python benchmarks/throughput.py --recount benchmarks/results/throughput-mfu.json
@@ -110,7 +116,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, also when this file is loaded by path
-from _common import command_line, peak_rss_mib, pick_device, quiet_env, write_json
+from _common import command_line, parse_sets, peak_rss_mib, pick_device, quiet_env, write_json
 
 #: the project's speed targets, printed next to the measurements
 TARGETS = {"gen_speedup": 3.0, "mfu": 0.30, "publish_s": 1.0}
@@ -809,6 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="See the module docstring (and benchmarks/README.md) for commands.")
     p.add_argument("--config", default="configs/quickstart.yaml", help="model, task and trainer settings")
     p.add_argument("--layers", type=int, default=None, help="keep only the first N layers (smoke runs)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, repeatable (e.g. model.policy=FILE.gguf, as benchmarks/gpu_check.sh)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads (CPU); default all cores")
     p.add_argument("--device", default="auto", help="cpu, cuda, or auto (cuda if available)")
     p.add_argument("--matmul-n", type=int, default=2048, help="matmul size for the peak")
@@ -951,7 +959,8 @@ def main(argv: list[str] | None = None) -> int:
     device = pick_device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = load_config(args.config, {"model.num_hidden_layers": args.layers} if args.layers else {})
+    cfg = load_config(args.config, {**({"model.num_hidden_layers": args.layers} if args.layers else {}),
+                                    **parse_sets(args.set)})
 
     print(f"throughput benchmark: device {device}, {args.threads} threads", flush=True)
     peak, fp32 = measure_peak(args, device)

@@ -37,10 +37,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    """Prepared (GGUF -> HF, cached) SmolLM2-135M-Instruct folder."""
+    """Prepared (GGUF -> HF, cached) SmolLM2-135M-Instruct folder; ``$TBA_TEST_MODEL``, when set, is the model
+    spec instead (``benchmarks/gpu_check.sh`` sets its 2-layer GGUF, as the 98 MB wheel cannot travel)."""
     from tba.models import prepare_model
 
-    return prepare_model(SMOLLM2)
+    return prepare_model(os.environ.get("TBA_TEST_MODEL") or SMOLLM2)
 
 
 @pytest.fixture(scope="session")
