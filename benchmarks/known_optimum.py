@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default="configs/known_optimum.yaml", help="base config shared by every cell")
     p.add_argument("--steps", type=int, default=None, help="trainer steps per cell; default: the config's")
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)), help="paired run.seed values")
-    p.add_argument("--arms", nargs="+", default=list(MAIN_ARMS), choices=list(ARMS), help="main arms")
+    p.add_argument("--arms", nargs="*", default=list(MAIN_ARMS), choices=list(ARMS),
+                   help="main arms (none: the flag alone, e.g. to run knob arms only)")
     p.add_argument("--knob-arms", nargs="*", default=list(KNOB_ARMS), choices=list(ARMS),
                    help=f"TB knob arms, run at {' and '.join(KNOB_SETTINGS)} only (none: the flag alone)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="settings")
