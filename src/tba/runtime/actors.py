@@ -150,6 +150,7 @@ class TrainerActor:
         self.cfg = Config.model_validate(cfg)
         self.rank = rank
         if world > 1 or self.cfg.trainer.fsdp:
+            port = port if port is not None else parallel.free_port()  # N = 1 (fsdp): a group of itself
             parallel.init_group(rank, world, port, _device(self.cfg), self.cfg.trainer.collective_timeout_s)
         self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path, ref_path)
         self.task = build_task(self.cfg)
