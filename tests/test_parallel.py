@@ -2,8 +2,8 @@
 
 Real gloo process groups of 2 ranks (torch.multiprocessing spawn, loopback rendezvous) on the 2-layer
 SmolLM2; no Ray. One spawn runs every scenario in turn (data-parallel and FSDP2, TB and RLOO, micro-batched;
-a sharded checkpoint round trip) and writes each rank-0 result to a file; the tests compare them with a
-single process's step on the same whole batch.
+a sharded checkpoint round trip) and writes each rank-0 result to a file, and a 1-rank spawn reloads the
+sharded checkpoint; the tests compare them with a single process's step on the same whole batch.
 """
 
 from __future__ import annotations
@@ -102,6 +102,9 @@ def _worker(rank: int, world: int, port: int, model_path: str, out: str) -> None
                 ckpt.mkdir(exist_ok=True)
             torch.distributed.barrier()
             checkpoint.save_trainer_sharded(ckpt, tr.model, tr.optimizer, tr.scheduler, {"step": tr.step_count})
+            saved = _state(tr)
+            if rank == 0:
+                torch.save(saved, f"{out}/at-checkpoint.pt")
             tr.step(copy.deepcopy(batch))
             after = tr.full_model()
             model2 = _load(model_path)
@@ -119,6 +122,32 @@ def _worker(rank: int, world: int, port: int, model_path: str, out: str) -> None
     parallel.close_group()
 
 
+def _state(trainer) -> dict:
+    """Full (unsharded) parameters and AdamW second moments of a sharded trainer (every rank must call)."""
+    moments = [trainer.optimizer.state[p]["exp_avg_sq"] for p in trainer.params]
+    full = trainer.full_model()
+    return {"params": None if full is None else {n: p.detach().clone() for n, p in full.named_parameters()},
+            "exp_avg_sq": [m.full_tensor() for m in moments]}
+
+
+def _reshard_worker(rank: int, world: int, port: int, model_path: str, out: str) -> None:
+    """Load the 2-rank sharded checkpoint into a 1-rank FSDP2 trainer; save what it restored."""
+    import copy
+
+    from tba import checkpoint, parallel
+
+    torch.set_num_threads(1)
+    parallel.init_group(rank, world, port, "cpu", timeout_s=120)
+    model = _load(model_path)
+    unsharded = copy.deepcopy(model)
+    parallel.fully_shard_model(model)
+    tr = trainer_for(model, "tb")
+    tr.unsharded = unsharded
+    extra = checkpoint.load_trainer_sharded(Path(out) / "ckpt", tr.model, tr.optimizer, tr.scheduler)
+    torch.save({**_state(tr), "step": extra["step"]}, f"{out}/resharded.pt")
+    parallel.close_group()
+
+
 @pytest.fixture(scope="module")
 def ranked(model_path, tmp_path_factory):
     """Run :func:`_worker` on 2 gloo ranks once; the folder of rank 0's results."""
@@ -129,6 +158,7 @@ def ranked(model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.spawn(_worker, args=(2, free_port(), model_path, str(out)), nprocs=2, join=True)
+    mp.spawn(_reshard_worker, args=(1, free_port(), model_path, str(out)), nprocs=1, join=True)
     return out
 
 
@@ -181,3 +211,13 @@ def test_sharded_checkpoint_resumes_exactly(ranked):
     assert got["step"] == 1
     for name, p in got["continued"].items():
         assert torch.equal(p, got["resumed"][name]), name
+
+
+def test_sharded_checkpoint_of_two_ranks_loads_into_one(ranked):
+    """DCP reshards: the 2-rank checkpoint loaded by a 1-rank FSDP2 trainer restores the same parameters and
+    AdamW moments, bit for bit (so a sharded run resumes with another trainer.num_workers)."""
+    saved, loaded = torch.load(ranked / "at-checkpoint.pt"), torch.load(ranked / "resharded.pt")
+    assert loaded["step"] == 1
+    for name, p in saved["params"].items():
+        assert torch.equal(p, loaded["params"][name]), name
+    assert all(torch.equal(a, b) for a, b in zip(saved["exp_avg_sq"], loaded["exp_avg_sq"]))
