@@ -202,3 +202,31 @@ def test_trainer_mfu_and_engine_tokens_per_s_against_the_gpus_bf16_peak(model_pa
                                 engines=("engine",))
     assert {r["mode"] for r in rows} == {"forced", "natural", "continuous"}
     assert all(r["engine_tokens_per_s"] > 0 for r in rows)
+
+
+def test_data_parallel_trainer_with_one_rank_on_nccl(model_path, tokenizer):
+    """The data-parallel trainer (``trainer.num_workers``) as one rank of an NCCL process group on the GPU: its
+    path (log-probs gathered over the ranks, gradients summed with NCCL all-reduces, bf16 autocast, micro
+    batches of 3) takes the plain trainer's step on the same batch. No Ray: the group is this process."""
+    import copy
+
+    from test_parallel import make_batch
+
+    from tba import parallel
+
+    cfg = _cfg()
+    cfg.trainer.micro_batch_size, cfg.trainer.prompts_per_step = 3, 4
+    batch = make_batch(load_causal_lm(model_path, torch.float32, 2), tokenizer)
+    after = []
+    for distributed in (False, True):
+        if distributed:
+            assert parallel.init_group(0, 1, parallel.free_port(), "cuda", timeout_s=60) == "nccl"
+        try:
+            trainer, _ = build_trainer(cfg, model_path, model_path)
+            assert trainer.distributed is distributed
+            m = trainer.step(copy.deepcopy(batch))
+            assert m["train/skipped"] == 0.0 and m["train/grad_norm"] > 0
+            after.append(torch.cat([p.detach().flatten() for p in trainer.model.parameters()]).cpu())
+        finally:
+            parallel.close_group()
+    assert (after[0] - after[1]).abs().max() < 1e-6

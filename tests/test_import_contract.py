@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 L1 = ("tba.types", "tba.config")
 L2 = ("tba.losses", "tba.buffer", "tba.rewards", "tba.engines", "tba.models", "tba.scoring", "tba.placement",
-      "tba.weights", "tba.adapters")
+      "tba.weights", "tba.adapters", "tba.parallel")
 L3 = ("tba.tasks", "tba.checkpoint", "tba.logger")
 L4 = ("tba.searcher", "tba.trainer")
 PURE_RUNTIME = ("tba.runtime.cadence", "tba.runtime.state", "tba.runtime.exchange")

@@ -39,7 +39,9 @@ def test_even_split_and_explicit_shares(gpus, searchers, trainer, searcher, want
     ({"trainer": {"num_gpus": 1}}, 0, "trainer.num_gpus: asks for 1 GPU but the run is on the CPU (no GPU is"),
     ({"model": {"device": "cpu"}, "searcher": {"num_gpus": 0.5}}, 2, "searcher.num_gpus: asks for 0.5 GPU but the "
      "run is on the CPU (model.device=cpu)"),
-    ({"trainer": {"num_gpus": 1.5}}, 4, "trainer.num_gpus: Ray gives an actor a fraction of one GPU or whole GPUs"),
+    ({"trainer": {"num_gpus": 1.5}}, 4, "trainer.num_gpus: one trainer rank uses at most one GPU, got 1.5; Ray "
+     "gives an actor a fraction of one GPU or whole GPUs"),
+    ({"trainer": {"num_gpus": 2}}, 4, "got 2; set trainer.num_workers 2 for one rank per GPU"),
     ({"trainer": {"num_gpus": 1}, "searcher": {"num_gpus": 1, "num_searchers": 2}}, 2, "= 3 GPUs, but 2 are visible"),
     ({"trainer": {"num_gpus": 1}}, 1, "leave no GPU for the roles left unset"),
     ({"searcher": {"engine": "vllm", "num_gpus": 0}, "trainer": {"num_gpus": 1}}, 1,
@@ -121,3 +123,20 @@ def test_gpus_asked_on_a_cpu_machine_is_one_line(argv, text, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and text in err, err
     assert "Traceback" not in err and not (tmp_path / "run").exists()
+
+
+def test_trainer_ranks_take_one_gpu_each_and_the_line_says_so():
+    """``trainer.num_workers`` N > 1: N whole GPUs for the trainer (one per rank), the rest split among the
+    searchers; the placement line names the ranks. A share that is not one GPU per rank, a batch that does
+    not split into whole groups per rank, and more than one GPU for one rank are one line each."""
+    out = resolve_placement(_cfg(trainer={"num_workers": 2}, searcher={"num_searchers": 2}), 4)
+    assert (out.trainer.num_gpus, out.searcher.num_gpus) == (2.0, 1.0)
+    assert "trainer 2 ranks x 1 GPU (NCCL, one node)" in describe(out)
+    cpu = resolve_placement(_cfg(trainer={"num_workers": 2, "fsdp": True}), 0)
+    assert "trainer 2 ranks x 1 thread(s) (FSDP2-sharded, gloo, one node)" in describe(cpu)
+    with pytest.raises(ConfigError, match="trainer.num_workers=2 ranks take one GPU each, so it must be 2"):
+        resolve_placement(_cfg(trainer={"num_workers": 2, "num_gpus": 1}), 4)
+    with pytest.raises(ConfigError, match="set trainer.num_workers 2 for one rank per GPU"):
+        resolve_placement(_cfg(trainer={"num_gpus": 2}), 4)
+    with pytest.raises(ValueError, match=r"prompts_per_step \(3\) must be a multiple of trainer.num_workers \(2\)"):
+        _cfg(trainer={"num_workers": 2, "prompts_per_step": 3})

@@ -2,7 +2,9 @@
 
 Layout of ``RUN_DIR/checkpoint/``: ``policy.safetensors`` (float32 master weights), ``optimizer.safetensors``
 + ``optimizer.json``, ``trainer.json`` (step, scheduler, RNG), ``buffer.json``, ``searchers.json`` and
-``driver.json``. A checkpoint is written to ``checkpoint.tmp`` and renamed into place, so a crash while
+``driver.json``; a sharded trainer's (``trainer.fsdp``) weights and AdamW state are a
+torch.distributed.checkpoint folder ``dcp/`` instead (:func:`save_trainer_sharded`). A checkpoint is written to
+``checkpoint.tmp`` and renamed into place, so a crash while
 saving leaves the previous checkpoint intact.
 """
 
@@ -58,6 +60,9 @@ def load_trainer(directory: Path, model, optimizer, scheduler) -> dict:
         FileNotFoundError: the checkpoint is incomplete.
     """
     directory = Path(directory)
+    if read_json(directory / "trainer.json").get("format") == SHARDED:
+        raise CheckpointError(f"checkpoint {directory} was written with trainer.fsdp (sharded); resume it with "
+                              "trainer.fsdp true")
     if _frozen(model):
         trained = load_file(str(directory / "policy.safetensors"))
         expected = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -75,6 +80,57 @@ def load_trainer(directory: Path, model, optimizer, scheduler) -> dict:
         state.setdefault(int(idx), {})[name] = t
     optimizer.load_state_dict({"state": state, **read_json(directory / "optimizer.json")})
     extra = read_json(directory / "trainer.json")
+    scheduler.load_state_dict({**extra.pop("scheduler"), "lr_lambdas": [None] * len(optimizer.param_groups)})
+    return extra
+
+
+#: the ``format`` of ``trainer.json`` in a checkpoint of an FSDP2 trainer (``trainer.fsdp``): the sharded
+#: weights and AdamW state in ``dcp/`` (torch.distributed.checkpoint), the RNG in ``rng.safetensors``
+SHARDED = "dcp"
+
+
+def save_trainer_sharded(directory: Path, model, optimizer, scheduler, extra: dict) -> None:
+    """The sharded trainer's part of a checkpoint, written by every rank together (a collective): each rank's
+    shards of the weights and AdamW moments into ``directory/dcp`` (torch.distributed.checkpoint), plus, from
+    rank 0, the scheduler, ``extra`` and its torch RNG. A LoRA model stores its adapter only."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    directory = Path(directory)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=_frozen(model)))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / SHARDED))
+    if dist.get_rank() == 0:
+        save_file({"__rng__": torch.get_rng_state()}, str(directory / "rng.safetensors"))
+        sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+        write_json(directory / "trainer.json", {"scheduler": sched, "format": SHARDED,
+                                                "ranks": dist.get_world_size(), **extra})
+    dist.barrier()
+
+
+def load_trainer_sharded(directory: Path, model, optimizer, scheduler) -> dict:
+    """Restore :func:`save_trainer_sharded` on every rank together (DCP reads the shards this rank needs, so the
+    number of ranks may differ from the writer's); returns ``extra``.
+
+    Raises:
+        CheckpointError: the checkpoint was written by an unsharded trainer.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    directory = Path(directory)
+    extra = read_json(directory / "trainer.json")
+    if extra.pop("format", None) != SHARDED:
+        raise CheckpointError(f"checkpoint {directory} was written without trainer.fsdp; resume it with "
+                              "trainer.fsdp false")
+    extra.pop("ranks", None)
+    opts = StateDictOptions(ignore_frozen_params=_frozen(model))
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(directory / SHARDED))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(ignore_frozen_params=_frozen(model), strict=not _frozen(model)))
+    torch.set_rng_state(load_file(str(directory / "rng.safetensors"))["__rng__"])
     scheduler.load_state_dict({**extra.pop("scheduler"), "lr_lambdas": [None] * len(optimizer.param_groups)})
     return extra
 
@@ -130,6 +186,12 @@ def resumable_step(path: Path) -> int:
     """
     names = ("trainer.json", "driver.json", "buffer.json", "searchers.json", "policy.safetensors",
              "optimizer.safetensors", "optimizer.json")
+    try:
+        if read_json(Path(path) / "trainer.json").get("format") == SHARDED:
+            names = ("trainer.json", "driver.json", "buffer.json", "searchers.json", "rng.safetensors",
+                     f"{SHARDED}/.metadata")
+    except (OSError, ValueError):
+        pass  # reported below
     missing = [n for n in names if not (Path(path) / n).is_file()]
     if missing:
         raise CheckpointError(f"checkpoint {path} is incomplete (missing {', '.join(missing)}); it cannot be "

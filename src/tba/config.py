@@ -260,10 +260,27 @@ class TrainerConfig(_Section):
         "(a controlled staleness of about L x k steps that, unlike a longer sync period, does not reuse samples "
         "more; for off-policy studies). 0 = the newest.",
     )
-    threads: int = Field(1, ge=1, description="torch CPU threads of the trainer.")
+    threads: int = Field(1, ge=1, description="torch CPU threads of the trainer (of each rank with num_workers > 1).")
     num_gpus: Optional[float] = Field(
         None, ge=0, description="GPUs of the trainer on a CUDA run (a fraction below 1 shares a GPU); None = an "
-        "even split with the searchers (see searcher.num_gpus).",
+        "even split with the searchers (see searcher.num_gpus). With num_workers N > 1 every rank takes one whole "
+        "GPU, so this is N or None.",
+    )
+    num_workers: int = Field(
+        1, ge=1, description="N: trainer ranks (Ray actors in one torch.distributed group on one node: gloo on CPU, "
+        "NCCL on CUDA, packed by a placement group). Each rank trains B/N whole prompt groups of every batch and "
+        "gradients are summed, so a step equals one process's step on the whole batch; prompts_per_step must be "
+        "a multiple of N.",
+    )
+    fsdp: bool = Field(
+        False, description="Shard parameters, gradients and AdamW state over the num_workers ranks (FSDP2, "
+        "torch.distributed.fsdp.fully_shard), for models whose training state does not fit one device. "
+        "Checkpoints are then torch.distributed.checkpoint folders (resumable with another num_workers).",
+    )
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="With num_workers > 1 or fsdp: seconds any collective (gradient all-reduce, "
+        "gather, checkpoint) may wait for the other ranks before it fails; a rank that dies or hangs stops the "
+        "run within about this long, leaving the last checkpoint to resume.",
     )
     max_consecutive_skips: int = Field(
         5, ge=0, description="Stop (with a checkpoint) after this many steps in a row with a non-finite loss/grad."
@@ -323,6 +340,12 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "Config":
+        n = self.trainer.num_workers
+        if self.trainer.prompts_per_step % n:
+            raise ValueError(
+                f"trainer.prompts_per_step ({self.trainer.prompts_per_step}) must be a multiple of "
+                f"trainer.num_workers ({n}): each trainer rank takes the same number of whole prompt groups"
+            )
         if self.searcher.samples_per_prompt < self.trainer.group_size:
             raise ValueError(
                 f"searcher.samples_per_prompt ({self.searcher.samples_per_prompt}) must be >= "

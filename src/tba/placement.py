@@ -34,7 +34,8 @@ def resolve_placement(cfg: Config, gpus_available: float) -> Config:
 
     Rules: 'auto' is 'cuda' when ``gpus_available`` > 0. On 'cuda', a share left None is an even split of the
     GPUs not asked for explicitly, between the trainer and the N searchers, at most 1 GPU each and rounded
-    down to 1e-4 (Ray's resolution), so the shares always fit. On 'cpu' the shares are 0.
+    down to 1e-4 (Ray's resolution), so the shares always fit; a trainer of ``trainer.num_workers`` R > 1
+    ranks takes R whole GPUs (one per rank). On 'cpu' the shares are 0.
 
     Args:
         cfg: the run config.
@@ -83,10 +84,30 @@ def _eval_engine(cfg: Config, device: str) -> str:
     return choice
 
 
+def _ranks_share(cfg: Config) -> float | None:
+    """The trainer's GPUs with N = ``trainer.num_workers`` ranks: one whole GPU per rank when N > 1 (None: the
+    even split, for one rank).
+
+    Raises:
+        ConfigError: ``trainer.num_gpus`` is above 1 with one rank, or not N with N ranks.
+    """
+    n, asked = cfg.trainer.num_workers, cfg.trainer.num_gpus
+    if n == 1:
+        if asked is not None and asked > 1:
+            hint = (f"set trainer.num_workers {asked:g} for one rank per GPU" if asked == int(asked) else
+                    "Ray gives an actor a fraction of one GPU or whole GPUs, one per rank")
+            raise ConfigError(f"trainer.num_gpus: one trainer rank uses at most one GPU, got {asked:g}; {hint}")
+        return asked
+    if asked is not None and asked != n:
+        raise ConfigError(f"trainer.num_gpus: trainer.num_workers={n} ranks take one GPU each, so it must be {n} "
+                          f"(or unset), got {asked:g}")
+    return float(n)
+
+
 def _split(cfg: Config, gpus: float) -> tuple[float, float]:
     """(trainer share, share per searcher) on a CUDA run; see :func:`resolve_placement`."""
     n = cfg.searcher.num_searchers
-    trainer, searcher = cfg.trainer.num_gpus, cfg.searcher.num_gpus
+    trainer, searcher = _ranks_share(cfg), cfg.searcher.num_gpus
     fixed = (trainer or 0.0) + n * (searcher or 0.0)
     free_roles = (trainer is None) + n * (searcher is None)
     if free_roles:
@@ -170,9 +191,13 @@ def _reference_text(cfg: Config) -> str:
 def describe(cfg: Config) -> str:
     """One line for the run's log: where the trainer and the searchers run, with which engine.
     ``cfg`` is :func:`resolve_placement`'s output."""
-    c, n = cfg.searcher, cfg.searcher.num_searchers
+    c, n, t = cfg.searcher, cfg.searcher.num_searchers, cfg.trainer
+    ranks = f"{t.num_workers} ranks x " if t.num_workers > 1 else ""
+    sharded = f" ({'FSDP2-sharded, ' if t.fsdp else ''}{'NCCL' if cfg.model.device == 'cuda' else 'gloo'}, one node)" \
+        if t.num_workers > 1 or t.fsdp else ""
     if cfg.model.device == "cpu":
-        return (f"placement: CPU; trainer {cfg.trainer.threads} thread(s), {n} searcher(s) x {c.threads} thread(s), "
-                f"engine {c.engine}, {_reference_text(cfg)}, evals with {cfg.run.eval_engine}")
-    return (f"placement: CUDA; trainer {cfg.trainer.num_gpus:g} GPU, {n} searcher(s) x {c.num_gpus:g} GPU, "
+        return (f"placement: CPU; trainer {ranks}{t.threads} thread(s){sharded}, {n} searcher(s) x {c.threads} "
+                f"thread(s), engine {c.engine}, {_reference_text(cfg)}, evals with {cfg.run.eval_engine}")
+    per_rank = (t.num_gpus or 0) / t.num_workers
+    return (f"placement: CUDA; trainer {ranks}{per_rank:g} GPU{sharded}, {n} searcher(s) x {c.num_gpus:g} GPU, "
             f"engine {c.engine}, {_reference_text(cfg)}, evals with {cfg.run.eval_engine}")

@@ -35,7 +35,8 @@ def pad_prompt_response(
 
 
 def token_logprobs(
-    model, prompts: list[list[int]], responses: list[list[int]], temperature: float, pad_id: int
+    model, prompts: list[list[int]], responses: list[list[int]], temperature: float, pad_id: int,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log pi(y_t | x, y_<t) of each response, logits divided by ``temperature`` first.
 
@@ -47,7 +48,11 @@ def token_logprobs(
     KV cache indexed out to its responses (:func:`_shared_prompt_logits`); gradients flow back through the
     cache into the one prompt pass. Same values as scoring every row in full (float32: within 1e-5), at
     a fraction of the cost when prompts are longer than responses (measured in ``benchmarks/README.md``).
-    Activation checkpointing disables the KV cache in training, so a checkpointed model takes the plain path.
+    Activation checkpointing disables the KV cache in training, so a checkpointed model takes the plain path,
+    as does ``share_prompts=False``.
+
+    Forward calls of ``model``: 2 on the shared path with responses longer than one token, else 1
+    (:func:`forward_calls`; sharded ranks must all make the same number).
 
     Returns:
         logp [N, R] (0 on padding), response_mask [N, R].
@@ -57,7 +62,7 @@ def token_logprobs(
     for i, r in enumerate(responses):
         resp_mask[i, : len(r)] = 1.0
     distinct = dict.fromkeys(map(tuple, prompts))
-    if len(distinct) < len(prompts) and not _checkpointing(model):
+    if share_prompts and len(distinct) < len(prompts) and not _checkpointing(model):
         logits, targets = _shared_prompt_logits(model, prompts, responses, pad_id, list(distinct), r_len)
     else:
         ids, attn, _ = pad_prompt_response(prompts, responses, pad_id)
@@ -71,6 +76,13 @@ def token_logprobs(
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # [N, R]
     mask = resp_mask.to(logp.device)
     return logp * mask, mask
+
+
+def forward_calls(model, prompts: list[list[int]], responses: list[list[int]]) -> int:
+    """How many forward calls :func:`token_logprobs` makes for these rows with ``share_prompts`` on: 2 when it
+    shares prompts (some repeat, no activation checkpointing) and a response is longer than one token, else 1."""
+    shared = len(set(map(tuple, prompts))) < len(prompts) and not _checkpointing(model)
+    return 2 if shared and max(len(r) for r in responses) > 1 else 1
 
 
 def _shared_prompt_logits(model, prompts, responses, pad_id: int, distinct: list[tuple], r_len: int):

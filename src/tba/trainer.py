@@ -11,10 +11,11 @@ import time
 
 import torch
 
+from tba import parallel
 from tba.adapters import adapter_off, has_adapter, merged_tensors, pack_adapter
 from tba.config import LossConfig, TrainerConfig
 from tba.losses import LOSSES, LossInputs
-from tba.scoring import token_logprobs, unpadded
+from tba.scoring import forward_calls, token_logprobs, unpadded
 from tba.types import Batch, PackedWeights, Probe
 from tba.weights import pack_tensors, pack_weights
 
@@ -80,6 +81,13 @@ class Trainer:
         num_prompts: training prompts (``Sample.prompt_id`` < this): the size of the learned log Z table
             (``loss.log_z: learned``, :attr:`log_z`); needed only then.
 
+    Inside a process group (:func:`tba.parallel.init_group`, one trainer per rank: ``trainer.num_workers``)
+    every rank gets the same whole batch, trains its B/N prompt groups and all ranks take the same update,
+    that of one process on the whole batch (:meth:`step`); ``model`` may then be sharded with FSDP2
+    (:func:`tba.parallel.fully_shard_model`, before this constructor). Replicas start from rank 0's weights.
+    ``unsharded``: with a sharded model, rank 0's unsharded copy of it (CPU), which :meth:`full_model` fills
+    with the gathered weights for publication, evals and saving.
+
     Raises:
         ValueError: ``loss.name`` is not a key of :data:`tba.losses.LOSSES`; a learned log Z without
             ``num_prompts``.
@@ -87,7 +95,7 @@ class Trainer:
 
     def __init__(self, model, pad_id: int, cfg: TrainerConfig, loss: LossConfig, temperature: float,
                  autocast_dtype: torch.dtype | None = None, ref_model=None, publish_merged: bool = False,
-                 num_prompts: int | None = None):
+                 num_prompts: int | None = None, unsharded=None):
         if loss.name not in LOSSES:
             raise ValueError(f"loss.name '{loss.name}' is unknown; allowed: {', '.join(LOSSES)}")
         self.model = model.train()
@@ -98,6 +106,12 @@ class Trainer:
         self.autocast_dtype = autocast_dtype
         self.ref_model = ref_model
         self.publish_merged = publish_merged
+        self.rank, self.world = parallel.rank_and_world()
+        self.distributed = parallel.active()  # collectives on: also with N = 1 (the NCCL check)
+        self.sharded = parallel.is_sharded(model)
+        self.unsharded = unsharded
+        if self.distributed and not self.sharded:
+            parallel.broadcast_parameters(model)  # replicas start bit-identical
         # a peft model's base is frozen: AdamW holds state for the adapter only
         self.params = [p for p in model.parameters() if p.requires_grad]
         groups = [{"params": self.params}]
@@ -152,23 +166,31 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.model.device.type, dtype=self.autocast_dtype)
 
+    def _share_flags(self, model, prompts: list[list[int]], responses: list[list[int]]) -> list[bool]:
+        """Whether each micro batch may share its prompts' pass (:func:`tba.scoring.token_logprobs`). A sharded
+        model's forward is a collective, so its ranks agree on the number of forward calls: a micro batch
+        shares only where every rank's would make two (:func:`tba.scoring.forward_calls`); else all True."""
+        mb = self.cfg.micro_batch_size
+        flags = [forward_calls(model, prompts[i:i + mb], responses[i:i + mb]) == 2 for i in range(0, len(prompts), mb)]
+        return parallel.agree_all(flags) if self.sharded else [True] * len(flags)
+
     def _logprobs(self, prompts: list[list[int]], responses: list[list[int]], width: int,
-                  grad: bool) -> torch.Tensor:
+                  grad: bool, share: list[bool]) -> torch.Tensor:
         """Per-token log pi_theta of every response, micro batch by micro batch: [N, width] float32."""
         mb = self.cfg.micro_batch_size
         with torch.set_grad_enabled(grad), self._autocast():
             return torch.cat([self._pad(token_logprobs(self.model, prompts[i:i + mb], responses[i:i + mb],
-                                                       self.temperature, self.pad_id)[0], width)
+                                                       self.temperature, self.pad_id, share[i // mb])[0], width)
                               for i in range(0, len(prompts), mb)]).float()
 
-    def _backward_micro(self, prompts, responses, grad_logp: torch.Tensor) -> None:
+    def _backward_micro(self, prompts, responses, grad_logp: torch.Tensor, share: list[bool]) -> None:
         """Backpropagate a whole-batch dLoss/dlogp ([N, T]) micro batch by micro batch (exact: the loss
         depends on the parameters only through logp)."""
         mb = self.cfg.micro_batch_size
         for i in range(0, len(prompts), mb):
             with self._autocast():
                 lp, _ = token_logprobs(self.model, prompts[i:i + mb], responses[i:i + mb], self.temperature,
-                                       self.pad_id)
+                                       self.pad_id, share[i // mb])
             (lp.float() * grad_logp[i:i + mb, : lp.shape[1]]).sum().backward()
 
     @torch.no_grad()
@@ -186,20 +208,25 @@ class Trainer:
                              "(model.reference_on must be the same for searchers and trainer)")
         mb = self.cfg.micro_batch_size
         own = self.ref_model is self.model  # the policy's base, with the adapter off
+        share = self._share_flags(self.ref_model, [s.prompt_ids for s in todo], [s.response_ids for s in todo]) \
+            if own else [True] * -(-len(todo) // mb)  # a separate reference is never sharded
         with adapter_off(self.ref_model) as ref, self._autocast() if own else contextlib.nullcontext():
             parts = [todo[i:i + mb] for i in range(0, len(todo), mb)]
             scored = [token_logprobs(ref, [s.prompt_ids for s in part], [s.response_ids for s in part],
-                                     self.temperature, self.pad_id) for part in parts]
+                                     self.temperature, self.pad_id, flag) for part, flag in zip(parts, share)]
         for part, (lp, mask) in zip(parts, scored):
             for s, row in zip(part, unpadded(lp, mask)):
                 s.ref_logprobs = row
 
-    def _inputs(self, batch: Batch, logp: torch.Tensor, beta: float) -> LossInputs:
+    def _inputs(self, batch: Batch, logp: torch.Tensor, beta: float,
+                ref_logp: torch.Tensor | None = None) -> LossInputs:
         """The loss inputs of ``batch``: behaviour and reference log-probs padded to ``logp``'s [N, T], on its
-        device."""
+        device (``ref_logp``: the reference's, when given already [N, T])."""
         samples, width, dev = batch.samples, logp.shape[1], logp.device
+        if ref_logp is None:
+            ref_logp = _pad_rows([s.ref_logprobs for s in samples], width)
         return LossInputs(
-            logp=logp, ref_logp=_pad_rows([s.ref_logprobs for s in samples], width).to(dev),
+            logp=logp, ref_logp=ref_logp.to(dev),
             behaviour_logp=_pad_rows([s.logprobs for s in samples], width).to(dev),
             mask=_pad_rows([[1.0] * len(s.response_ids) for s in samples], width).to(dev),
             reward=torch.tensor([s.reward for s in samples], dtype=torch.float32, device=dev),
@@ -216,30 +243,53 @@ class Trainer:
         grad suffices. A non-finite loss or gradient norm skips the update (``train/skipped`` = 1).
 
         The first batch also fixes the sync check's probe responses (:meth:`probe`).
+
+        In a process group of N ranks every rank is given the same whole ``batch`` and runs the forward and
+        backward passes of its own B/N prompt groups only (:func:`tba.parallel.shard_groups`). The ranks then
+        exchange their per-token log-probs (an [N_rows, T] all-gather, no gradients), so each evaluates the
+        loss of the whole batch, exactly the single process's value for every objective (TB's per-prompt log Z,
+        the baselines' group advantages, Dr. GRPO's padded width, online DPO's pair count), and backpropagates
+        its own rows of dLoss/dlogp, the micro-batching rule above across ranks. The gradients are then summed
+        over the ranks (:func:`tba.parallel.sum_gradients`, or FSDP2's reduce-scatter as a sum), which gives
+        the whole batch's gradient; clipping, the skip rule and AdamW see the same numbers on every rank.
+        Metrics are the whole batch's (rank 0 reports them).
         """
         t0 = time.perf_counter()
         step = self.step_count  # a sample's staleness at this step is step - policy_version
         if self.probe_tokens is None:
             self.probe_tokens = pick_probe(batch)
+        whole = batch
+        if self.distributed:
+            batch = parallel.shard_groups(whole, self.rank, self.world)
         self._score_reference(batch.samples)
         beta = self.beta_at(self.step_count)
         prompts = [s.prompt_ids for s in batch.samples]
         responses = [s.response_ids for s in batch.samples]
+        width = max(1, max(len(s.response_ids) for s in whole.samples))  # the whole batch's T, on every rank
         single = len(prompts) <= self.cfg.micro_batch_size
+        share = self._share_flags(self.model, prompts, responses)
         self.optimizer.zero_grad(set_to_none=True)
-        logp = self._logprobs(prompts, responses, max(1, max(len(r) for r in responses)), grad=single)
-        inp = self._inputs(batch, logp if single else logp.requires_grad_(True), beta)
+        logp = self._logprobs(prompts, responses, width, grad=single, share=share)
+        ref_logp = None
+        if self.distributed:  # every rank's rows: the loss is the whole batch's
+            lo = self.rank * len(prompts)
+            logp = parallel.gather_rows(logp if single else logp.requires_grad_(True))
+            own_ref = _pad_rows([s.ref_logprobs for s in batch.samples], width).to(logp.device)
+            ref_logp = parallel.gather_rows(own_ref)
+        inp = self._inputs(whole, logp if single or self.distributed else logp.requires_grad_(True), beta, ref_logp)
         loss, metrics = self.loss_fn(inp, self.loss)
         if single:
             loss.backward()
         else:
-            wrt = [inp.logp] + ([self.log_z] if self.log_z is not None else [])
-            grads = torch.autograd.grad(loss, wrt)
-            if self.log_z is not None:
+            grads = torch.autograd.grad(loss, [logp] + ([self.log_z] if self.log_z is not None else []))
+            if self.log_z is not None:  # every rank's loss is the whole batch's: its log Z gradient too
                 self.log_z.grad = grads[1]
-            self._backward_micro(prompts, responses, grads[0])
+            rows = grads[0][lo:lo + len(prompts)] if self.distributed else grads[0]  # this rank's rows of dLoss/dlogp
+            self._backward_micro(prompts, responses, rows, share)
+        if self.distributed and not self.sharded:
+            parallel.sum_gradients(self.params)
         # max_norm inf measures the norm and scales nothing
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf))
+        grad_norm = parallel.total_norm(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip or math.inf))
         skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
         if skipped:
             self.skipped_steps += 1
@@ -250,13 +300,13 @@ class Trainer:
         self.scheduler.step()
         self.step_count += 1
         dt = time.perf_counter() - t0
-        n_tokens = int(inp.mask.sum()) + sum(len(p) for p in prompts)
+        n_tokens = int(inp.mask.sum()) + sum(len(s.prompt_ids) for s in whole.samples)
         # how far the policy's log-probs are from the reference's on these tokens; at step 0, with the
         # policy equal to the reference, anything but 0 is precision (bf16 autocast vs the bf16 reference)
         gap = (inp.logp.detach() - inp.ref_logp) * inp.mask  # [N, T] nats
         # staleness 0: generated with the weights being trained, so behaviour and trainer log-probs are the same
         # distribution and differ by precision only (a larger gap: the sync, or the searchers' log-probs, broke)
-        fresh = torch.tensor([s.policy_version == step for s in batch.samples], device=inp.mask.device)
+        fresh = torch.tensor([s.policy_version == step for s in whole.samples], device=inp.mask.device)
         if fresh.any():
             fresh_mask = inp.mask[fresh]
             fresh_gap = (inp.logp.detach()[fresh] - inp.behaviour_logp[fresh]).abs() * fresh_mask
@@ -270,26 +320,38 @@ class Trainer:
             "train/response_len_mean": float(inp.mask.sum(-1).mean()),
             "perf/train_step_s": dt, "perf/train_tokens_per_s": n_tokens / dt,
         })
-        metrics.update(batch.metrics)
+        metrics.update(whole.metrics)
         return metrics
 
     @staticmethod
     def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
         return torch.nn.functional.pad(x, (0, width - x.shape[1]))
 
-    def publish_weights(self, dtype: torch.dtype | None = None, probe: bool = True) -> PackedWeights:
+    def full_model(self):
+        """The policy as one unsharded module: the trained model itself, or, when it is sharded, rank 0's
+        :attr:`unsharded` copy loaded with the gathered weights (the adapter only, with LoRA: the base never
+        changes). Every rank of a sharded trainer must call it (it gathers); the others get None."""
+        if not self.sharded:
+            return self.model
+        full = parallel.full_state_dict(self.model, trainable_only=has_adapter(self.model))
+        if self.rank != 0:
+            return None
+        self.unsharded.load_state_dict(full, strict=not has_adapter(self.model))
+        return self.unsharded
+
+    def publish_weights(self, dtype: torch.dtype | None = None, probe: bool = True) -> PackedWeights | None:
         """The policy weights for the searchers, packed in one CPU buffer and cast to ``dtype`` (see
         :func:`tba.weights.pack_weights`; bf16 halves the bytes); with an adapter, the adapter only
         (:func:`tba.adapters.pack_adapter`), or with ``publish_merged`` base + adapter as full weights
         (:func:`tba.adapters.merged_tensors`). The pack carries the sync check's :meth:`probe` unless ``probe``
-        is False (a pack no searcher checks: the eval engine's)."""
-        if not has_adapter(self.model):
-            packed = pack_weights(self.model, dtype)
-        elif self.publish_merged:
-            packed = pack_tensors(merged_tensors(self.model), dtype)
-        else:
-            packed = pack_adapter(self.model, dtype)
-        packed.probe = self.probe() if probe else None
+        is False (a pack no searcher checks: the eval engine's). A sharded trainer's ranks all call it (the
+        probe's forward and :meth:`full_model` are collectives); rank 0 packs, the others get None."""
+        probed = self.probe() if probe else None
+        model = self.full_model()
+        if model is None:
+            return None
+        packed = pack_policy(model, dtype, self.publish_merged)
+        packed.probe = probed
         return packed
 
     @torch.no_grad()
@@ -309,6 +371,16 @@ class Trainer:
         finally:
             self.model.train(training)
         return Probe(prompts, responses, unpadded(lp, mask), temperature=1.0)
+
+
+def pack_policy(model, dtype: torch.dtype | None = None, merged: bool = False) -> PackedWeights:
+    """An unsharded policy packed for the searchers: its LoRA adapter (:func:`tba.adapters.pack_adapter`), or
+    with ``merged`` base + adapter as full weights (:func:`tba.adapters.merged_tensors`,
+    ``model.lora.publish``), or all its weights (:func:`tba.weights.pack_weights`), cast to ``dtype``; no
+    probe."""
+    if not has_adapter(model):
+        return pack_weights(model, dtype)
+    return pack_tensors(merged_tensors(model), dtype) if merged else pack_adapter(model, dtype)
 
 
 def pick_probe(batch: Batch, n: int = PROBE_SAMPLES) -> list[tuple[list[int], list[int]]]:

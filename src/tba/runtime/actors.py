@@ -7,6 +7,7 @@ Each actor owns one plain object and forwards calls to it; what runs where, and 
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import ray
@@ -127,57 +128,103 @@ class SearcherActor:
 
 @ray.remote
 class TrainerActor:
-    """The trainer, and evaluation of its current policy on the task's held-out set. ``run_dir``: the run
-    directory, for the third-party log (:func:`tba.runtime.build.quiet_libraries`)."""
+    """The trainer, and evaluation of its current policy on the task's held-out set; or one rank of N
+    (``trainer.num_workers``, :class:`tba.runtime.trainer_group.TrainerGroup` starts them and fans calls out).
 
-    def __init__(self, cfg: dict, policy_path: str, ref_path: str, run_dir: str | None = None):
-        from tba.runtime.build import build_trainer, generation_dtype, quiet_libraries
+    Args:
+        cfg: the run config as a dict.
+        policy_path, ref_path: the prepared model folders.
+        run_dir: the run directory, for the third-party log (:func:`tba.runtime.build.quiet_libraries`).
+        rank, world: this rank and N; with N > 1 or ``trainer.fsdp`` the actor first joins the ranks'
+            process group (:func:`tba.parallel.init_group`) at ``127.0.0.1:port``.
+        port: the rendezvous port (on this node: the ranks are packed on one).
+
+    Rank 0 does what a single trainer does (the batch's metrics, publication, evals, checkpoint files, the
+    final save); the other ranks train their prompt groups and join the collectives of a sharded trainer.
+    """
+
+    def __init__(self, cfg: dict, policy_path: str, ref_path: str, run_dir: str | None = None, rank: int = 0,
+                 world: int = 1, port: int | None = None):
+        from tba import parallel
+        from tba.runtime.build import _device, build_trainer, generation_dtype, quiet_libraries
         from tba.runtime.evaluation import PolicyEvaluator
         from tba.tasks import build_task
 
-        quiet_libraries(run_dir, "trainer")
+        quiet_libraries(run_dir, "trainer" if world == 1 else f"trainer rank {rank}")
         self.cfg = Config.model_validate(cfg)
+        self.rank = rank
+        if world > 1 or self.cfg.trainer.fsdp:
+            port = port if port is not None else parallel.free_port()  # N = 1 (fsdp): a group of itself
+            parallel.init_group(rank, world, port, _device(self.cfg), self.cfg.trainer.collective_timeout_s)
         self.task = build_task(self.cfg)
         self.trainer, self.tokenizer = build_trainer(self.cfg, policy_path, ref_path, len(self.task.train))
         self.gen_dtype = generation_dtype(self.cfg)
         self.evaluator = PolicyEvaluator(self.cfg, policy_path, self.tokenizer, self.task)
 
+    def pid(self) -> int:
+        """This actor's process id (the fault tests kill one rank)."""
+        return os.getpid()
+
     def train_step(self, buffer, num_prompts: int, group_size: int):
         """Sample a batch from the buffer and take one optimizer step; None if the buffer is not ready."""
         batch = ray.get(buffer.sample.remote(num_prompts, group_size, self.trainer.step_count))
-        return None if batch is None else self.trainer.step(batch)
+        return self.train_batch(batch)
 
-    def publish(self) -> list:
-        """Put the current weights (generation dtype) in the object store; returns ``[ref]``."""
-        return [ray.put(self.trainer.publish_weights(self.gen_dtype))]
+    def train_batch(self, batch):
+        """One optimizer step on ``batch`` (the whole batch: a rank trains its own prompt groups of it); its
+        metrics on rank 0, None on the others and when ``batch`` is None (the buffer was not ready)."""
+        if batch is None:
+            return None
+        metrics = self.trainer.step(batch)
+        return metrics if self.rank == 0 else None
 
-    def evaluate(self) -> dict:
-        """The task's held-out metrics for the current policy (:class:`tba.runtime.evaluation.PolicyEvaluator`)."""
-        return self.evaluator.evaluate(self.trainer)
+    def publish(self) -> list | None:
+        """Put the current weights (generation dtype) in the object store; returns ``[ref]`` on rank 0 (the
+        other ranks of a sharded trainer join the gather and return None)."""
+        if self.rank != 0 and not self.trainer.sharded:
+            return None
+        packed = self.trainer.publish_weights(self.gen_dtype)
+        return None if packed is None else [ray.put(packed)]
+
+    def evaluate(self) -> dict | None:
+        """The task's held-out metrics for the current policy (:class:`tba.runtime.evaluation.PolicyEvaluator`),
+        on rank 0; None on the others (which gather a sharded policy with it)."""
+        if self.rank == 0:
+            return self.evaluator.evaluate(self.trainer)
+        if self.trainer.sharded:
+            self.trainer.full_model()
+        return None
 
     def step_count(self) -> int:
         """Optimizer steps taken (including skipped ones)."""
         return self.trainer.step_count
 
     def save_checkpoint(self, directory: str) -> None:
-        """Weights, optimizer, scheduler, step and RNG into ``directory`` (safetensors + JSON)."""
+        """Weights, optimizer, scheduler, step and RNG into ``directory``: safetensors + JSON from rank 0 (the
+        ranks of an unsharded trainer hold the same state), or, sharded, a torch.distributed.checkpoint that
+        every rank writes its shards to."""
         t = self.trainer
-        checkpoint.save_trainer(Path(directory), t.model, t.optimizer, t.scheduler,
-                                t.extra_state())
+        if t.sharded:
+            checkpoint.save_trainer_sharded(Path(directory), t.model, t.optimizer, t.scheduler, t.extra_state())
+        elif self.rank == 0:
+            checkpoint.save_trainer(Path(directory), t.model, t.optimizer, t.scheduler, t.extra_state())
 
     def load_checkpoint(self, directory: str) -> int:
-        """Restore :meth:`save_checkpoint`; returns the trainer step."""
+        """Restore :meth:`save_checkpoint` (every rank reads it); returns the trainer step."""
         t = self.trainer
-        t.load_extra_state(checkpoint.load_trainer(Path(directory), t.model, t.optimizer, t.scheduler))
+        load = checkpoint.load_trainer_sharded if t.sharded else checkpoint.load_trainer
+        t.load_extra_state(load(Path(directory), t.model, t.optimizer, t.scheduler))
         return t.step_count
 
-    def save(self, path: str) -> str:
-        """Save the policy and tokenizer in Hugging Face format: with a LoRA adapter a PEFT adapter folder
-        (``PeftModel.from_pretrained(base, path)`` loads it) and, with ``trainer.save_merged``, the adapter
-        merged into a copy of the base weights under ``path/merged``."""
+    def save(self, path: str) -> str | None:
+        """Save the policy and tokenizer in Hugging Face format (rank 0; the others join a sharded gather):
+        with a LoRA adapter a PEFT adapter folder (``PeftModel.from_pretrained(base, path)`` loads it) and,
+        with ``trainer.save_merged``, the adapter merged into a copy of the base weights under ``path/merged``."""
         from tba.adapters import has_adapter
 
-        model = self.trainer.model
+        model = self.trainer.full_model()
+        if self.rank != 0:
+            return None
         model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
         if has_adapter(model) and self.cfg.trainer.save_merged:

@@ -30,7 +30,7 @@ def _is_loopback(address: str) -> bool:
 def init_ray(cfg: Config) -> None:
     """Join ``run.ray_address``, or start a private local instance that listens on loopback only.
 
-    The local instance gets at least enough CPUs for the trainer and every searcher (``threads`` each).
+    The local instance gets at least enough CPUs for the trainer's ranks and every searcher (``threads`` each).
     Ray's driver-side log records go through the root logger (:func:`tba.logger.release_library_loggers`).
     """
     release_library_loggers()  # `import ray` gave the ray logger a console handler of its own
@@ -44,7 +44,7 @@ def init_ray(cfg: Config) -> None:
                  **({"_node_ip_address": "127.0.0.1"} if loopback else {}))
         return
     loopback_only()
-    need = cfg.trainer.threads + cfg.searcher.num_searchers * cfg.searcher.threads + 1
+    need = cfg.trainer.threads * cfg.trainer.num_workers + cfg.searcher.num_searchers * cfg.searcher.threads + 1
     # address="local": always a private instance, never a cluster some other job left running
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, need), include_dashboard=False,
              _node_ip_address="127.0.0.1", runtime_env=env, logging_level=logging.WARNING,

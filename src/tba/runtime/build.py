@@ -6,8 +6,11 @@ take their config section directly, so every default is declared once, in :mod:`
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
+from tba import parallel
 from tba.adapters import add_adapter
 from tba.config import Config
 from tba.engines.base import Engine
@@ -119,7 +122,9 @@ def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None,
     """The trainer (float32 master weights, bf16 autocast where supported) on ``model.device``, and its
     tokenizer. It holds a reference model (generation dtype, as the searchers would) when
     ``model.reference_on`` is 'trainer'. ``num_prompts``: the task's training prompts (the learned log Z
-    table's size, ``loss.log_z: learned``).
+    table's size, ``loss.log_z: learned``). With ``trainer.fsdp`` (inside the ranks' process group) the
+    policy is sharded with FSDP2 (:func:`tba.parallel.fully_shard_model`) and rank 0 keeps an unsharded CPU
+    copy.
 
     Raises:
         ValueError: ``model.reference_on`` is 'trainer' and no ``ref_path`` is given; a learned log Z
@@ -135,6 +140,10 @@ def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None,
         enable_activation_checkpointing(model)
     if cfg.model.lora.r:
         model = add_adapter(model, cfg.model.lora)
+    unsharded = None
+    if cfg.trainer.fsdp:  # rank 0 keeps an unsharded CPU copy for publication, evals and the final save
+        unsharded = copy.deepcopy(model).cpu() if parallel.rank_and_world()[0] == 0 else None
+        parallel.fully_shard_model(model)
     ref = None
     if reference_location(cfg) == "trainer-base":
         ref = model
@@ -144,7 +153,7 @@ def build_trainer(cfg: Config, policy_path: str, ref_path: str | None = None,
         ref = load_causal_lm(ref_path, compute, cfg.model.num_hidden_layers).to(device)
     trainer = Trainer(model, tok.pad_token_id, cfg.trainer, cfg.loss, cfg.searcher.temperature,
                       autocast_dtype=compute if compute != torch.float32 else None, ref_model=ref,
-                      publish_merged=publishes_merged(cfg), num_prompts=num_prompts)
+                      publish_merged=publishes_merged(cfg), num_prompts=num_prompts, unsharded=unsharded)
     return trainer, tok
 
 

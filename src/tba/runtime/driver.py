@@ -19,11 +19,12 @@ import ray
 from tba import checkpoint
 from tba.config import Config
 from tba.placement import resolve_placement
-from tba.runtime.actors import BufferActor, SearcherActor, TrainerActor
+from tba.runtime.actors import BufferActor, SearcherActor
 from tba.runtime.bootstrap import init_ray
 from tba.runtime.cadence import Cadence, NoSamples, TooManySkippedSteps
 from tba.runtime.state import RunState
 from tba.runtime.supervisor import SearcherSupervisor
+from tba.runtime.trainer_group import TrainerGroup
 
 log = logging.getLogger(__name__)
 
@@ -85,26 +86,26 @@ class RayRuntime:
         cfg_dict = c.model_dump()
         run_dir = str(self.run_dir)  # each actor appends its libraries' log records to run_dir/third_party.log
         self.buffer = BufferActor.options(num_cpus=0).remote(cfg_dict, run_dir)
-        self.trainer = TrainerActor.options(num_cpus=c.trainer.threads, num_gpus=c.trainer.num_gpus).remote(
-            cfg_dict, self.policy_path, self.ref_path, run_dir)
+        self.trainer = TrainerGroup(c, self.policy_path, self.ref_path, run_dir, c.run.startup_timeout_s)
 
         def new_searcher(i: int):
             return SearcherActor.options(num_cpus=c.searcher.threads, num_gpus=c.searcher.num_gpus,
                                          scheduling_strategy="SPREAD", max_concurrency=2).remote(
                 cfg_dict, self.policy_path, self.ref_path, i, run_dir)
 
-        self.actors = [self.buffer, self.trainer]
+        self.actors = [self.buffer, *self.trainer.actors]
         self.searchers = SearcherSupervisor(new_searcher, c.searcher.num_searchers, self.buffer,
                                             c.searcher.stall_timeout_s)
         # Wait for every actor to be constructed: surfaces model/task errors from the workers now, and
         # turns a cluster too small to place them into an error instead of a hang.
         try:
-            ray.get([a.__ray_ready__.remote() for a in [*self.actors, *self.searchers]],
-                    timeout=c.run.startup_timeout_s)
+            ray.get([self.buffer.__ray_ready__.remote(), *self.trainer.ready_refs(),
+                     *[s.__ray_ready__.remote() for s in self.searchers]], timeout=c.run.startup_timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError(
                 f"actors not started after {c.run.startup_timeout_s:g} s: the cluster needs "
-                f"{c.trainer.threads} CPU(s) and {c.trainer.num_gpus:g} GPU for the trainer and "
+                f"{c.trainer.threads} CPU(s) and {c.trainer.num_gpus:g} GPU for the trainer "
+                f"({c.trainer.num_workers} rank(s)) and "
                 f"{c.searcher.threads} CPU(s) and {c.searcher.num_gpus:g} GPU per searcher x "
                 f"{c.searcher.num_searchers}; see `ray status`") from None
 
@@ -136,18 +137,20 @@ class RayRuntime:
                 ray.kill(a)
             except Exception:  # noqa: BLE001 - already dead
                 pass
+        if getattr(self, "trainer", None) is not None:
+            self.trainer.kill()  # its ranks (killed above) and their placement group
         ray.shutdown()
 
     # -- the pieces the CLI calls ------------------------------------------------------------------
     def evaluate(self, phase: str = "eval") -> dict:
         """The task's held-out metrics for the trainer's current policy; ``phase`` names it in the status."""
         self.on_phase(phase, self.state.step)
-        return ray.get(self.trainer.evaluate.remote())
+        return self.trainer.evaluate()
 
     def save(self, path: str) -> str:
         """Save the trainer's policy (HF format)."""
         self.on_phase("save", self.state.step)
-        return ray.get(self.trainer.save.remote(path))
+        return self.trainer.save(path)
 
     def searcher_nodes(self) -> list[str]:
         """Ray node id of each searcher."""
@@ -164,7 +167,7 @@ class RayRuntime:
         """
         self.on_phase("checkpoint", self.state.step)
         tmp = checkpoint.begin(self.run_dir)
-        ray.get(self.trainer.save_checkpoint.remote(str(tmp)))
+        self.trainer.save_checkpoint(str(tmp))
         # cursors before the buffer: a batch that lands in between is then generated again, never skipped
         checkpoint.write_json(tmp / "searchers.json", ray.get([s.state_dict.remote() for s in self.searchers]))
         checkpoint.write_json(tmp / "buffer.json", ray.get(self.buffer.state_dict.remote()))
@@ -183,7 +186,7 @@ class RayRuntime:
         if ckpt is None:
             return None
         checkpoint.resumable_step(ckpt)
-        step = ray.get(self.trainer.load_checkpoint.remote(str(ckpt)))
+        step = self.trainer.load_checkpoint(str(ckpt))
         driver = checkpoint.read_json(ckpt / "driver.json")
         ray.get(self.buffer.load_state_dict.remote(checkpoint.read_json(ckpt / "buffer.json")))
         cursors = checkpoint.read_json(ckpt / "searchers.json")
@@ -221,9 +224,9 @@ class RayRuntime:
             t_iter = time.monotonic()
             self._generate()
             self.on_phase("step", st.step)
-            self._inflight = self.trainer.train_step.remote(self.buffer, c.trainer.prompts_per_step,
-                                                           c.trainer.group_size)
-            metrics = ray.get(self._inflight)
+            self._inflight = self.trainer.submit_step(self.buffer, c.trainer.prompts_per_step,
+                                                      c.trainer.group_size)
+            metrics = self.trainer.result(self._inflight)
             if metrics is None:  # the buffer is below buffer.min_fill (samples are never removed below it)
                 self._inflight = None
                 if c.run.mode == "sync":  # sync mode trains once a sample is in: this round added none
@@ -266,7 +269,7 @@ class RayRuntime:
     def _publish(self, version: int, reset: bool = False) -> None:
         if not self.cfg.searcher.receive_weights:
             return  # frozen searchers: the behaviour policy stays the initial one
-        refs = ray.get(self.trainer.publish.remote())
+        refs = self.trainer.publish()
         ray.get(self.buffer.publish.remote(version, refs, reset))
 
     def _recent_from(self, version: int) -> int:
@@ -307,8 +310,8 @@ class RayRuntime:
         and record it, so the checkpoint's trainer and driver steps agree."""
         if self._inflight is None:
             return
-        metrics = ray.get(self._inflight)
-        if metrics is not None and ray.get(self.trainer.step_count.remote()) > self.state.step:
+        metrics = self.trainer.result(self._inflight)
+        if metrics is not None and self.trainer.step_count() > self.state.step:
             self._record(metrics, None, 0.0)
         self._inflight = None
 

@@ -11,6 +11,7 @@ import copy
 from tba.adapters import has_adapter
 from tba.config import Config
 from tba.runtime.build import build_eval_engine, generation_dtype
+from tba.trainer import pack_policy
 
 
 class PolicyEvaluator:
@@ -31,17 +32,19 @@ class PolicyEvaluator:
         self._vllm = None
 
     def evaluate(self, trainer) -> dict:
-        """The task's held-out metrics for ``trainer``'s current policy (left in train mode afterwards); a
+        """The task's held-out metrics for ``trainer``'s current policy (its :meth:`~tba.trainer.Trainer.full_model`;
+        left in train mode afterwards); a
         LoRA adapter is merged into the copy's weights (peft's ``merge_and_unload``, in float32 before the
         cast), so the hf engine decodes a plain model."""
-        model = copy.deepcopy(trainer.model)
+        source = trainer.full_model()  # the unsharded policy (a sharded trainer's other ranks gather with it)
+        model = copy.deepcopy(source)
         if has_adapter(model):
             model = model.merge_and_unload()
         model = model.to(self.gen_dtype).eval()
         if self.cfg.run.eval_engine == "vllm":
             if self._vllm is None:
                 self._vllm = build_eval_engine(self.cfg, self.policy_path, model, self.tokenizer, self.task)
-            self._vllm.load_weights(trainer.publish_weights(self.gen_dtype, probe=False))
+            self._vllm.load_weights(pack_policy(source, self.gen_dtype, trainer.publish_merged))
             engine = self._vllm
         else:
             engine = build_eval_engine(self.cfg, self.policy_path, model, self.tokenizer, self.task)
