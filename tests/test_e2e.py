@@ -339,7 +339,7 @@ def test_hung_searcher_is_restarted(tmp_path, cli, mode):
     env = patched_env(tmp_path, "tba.searcher", HANG_ONCE, TBA_TEST_HUNG=str(hung))
     out = tmp_path / mode
     r = cli.run([*TINY, "--max-steps", "6", "--mode", mode, "--trainer.sync_period", "1",
-                 "--searcher.stall_timeout_s", "10", "--run.eval_before", "false", "--run.eval_after", "false",
+                 "--searcher.stall_timeout_s", "5", "--run.eval_before", "false", "--run.eval_after", "false",
                  "--trainer.save_final", "false", "--run.tensorboard", "false", "--output-dir", str(out)], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert hung.is_file() and "searcher 0 died (no batch " in r.stdout + r.stderr

@@ -37,13 +37,13 @@ def test_two_trainer_ranks_end_to_end(tmp_path, cli):
 def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig):
     """SIGKILL (dies) or SIGSTOP (hangs) one of 2 ranks mid-run: the run ends with one error line naming a
     trainer rank within trainer.collective_timeout_s (+ start-up slack), no process is left, and the last
-    periodic checkpoint resumes to max_steps."""
+    periodic checkpoint resumes to max_steps (resumed once, after SIGKILL: the resume is the same path)."""
     import psutil
 
     from tba.checkpoint import read_json
 
     out = tmp_path / "lost"
-    args = [*TINY, "--trainer.num_workers", "2", "--trainer.collective_timeout_s", "20", "--max-steps", "40",
+    args = [*TINY, "--trainer.num_workers", "2", "--trainer.collective_timeout_s", "10", "--max-steps", "40",
             "--run.checkpoint_every", "2", "--run.eval_before", "false", "--run.eval_after", "false",
             "--trainer.save_final", "false", "--output-dir", str(out)]
     p = cli.start(args)
@@ -57,6 +57,8 @@ def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig):
     errors = [line for line in output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "trainer rank" in errors[0] and f"--resume {out}" in errors[0], errors
     cli.assert_nothing_left()
+    if sig == signal.SIGSTOP:
+        return
     saved = read_json(ckpt)["step"]
     r = cli.run(["--resume", str(out), "--max-steps", str(saved + 2)])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -32,6 +32,8 @@ class SearcherSupervisor:
         self.stall_timeout_s = stall_timeout_s
         self.actors = [new_searcher(i) for i in range(num_searchers)]
         self._started = [time.time()] * num_searchers  # when each actor's current loop was started
+        # a replacement's construction (loading its models) is not a stall: its clock starts once it is ready
+        self._ready: list = [None] * num_searchers
         self.runs: list = []
         self.restarts = 0
 
@@ -55,6 +57,10 @@ class SearcherSupervisor:
         """
         todo, restarted = list(range(len(self.actors))), 0
         while todo:
+            # a replacement first loads its models; its batch's clock starts when it is ready
+            ray.get([self._ready[i] for i in todo if self._ready[i] is not None])
+            for i in todo:
+                self._ready[i] = None
             calls = {i: self.actors[i].run.remote(self.buffer, 1) for i in todo}
             self.runs = list(calls.values())
             _, late = ray.wait(self.runs, num_returns=len(self.runs), timeout=self.stall_timeout_s)
@@ -85,6 +91,10 @@ class SearcherSupervisor:
         if self.stall_timeout_s is not None:
             seen, now = ray.get(self.buffer.last_seen.remote()), time.time()
             for i in range(len(self.actors)):
+                if self._ready[i] is not None:  # a replacement still loading: its clock starts once ready
+                    if not ray.wait([self._ready[i]], timeout=0)[0]:
+                        continue
+                    self._ready[i], self._started[i] = None, now
                 quiet = now - max(seen.get(i, 0.0), self._started[i])
                 if quiet > self.stall_timeout_s:
                     restarted += self.replace(i, f"no batch for {quiet:.0f} s (searcher.stall_timeout_s "
@@ -107,7 +117,7 @@ class SearcherSupervisor:
         except Exception:  # noqa: BLE001 - already dead
             pass
         self.actors[i] = self._new(i)
-        self._started[i] = time.time()
+        self._started[i], self._ready[i] = time.time(), self.actors[i].__ray_ready__.remote()
         if start:
             self.runs[i] = self.actors[i].run.remote(self.buffer)
         return 1
