@@ -5,7 +5,6 @@ engine had, and no process is left after success, an error or Ctrl-C."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 
 import pytest
@@ -42,9 +41,7 @@ def test_vllm_searchers_get_weights_and_record_versions(tmp_path, cli):
     cli.assert_nothing_left()
 
 
-# the adapter kind end to end costs 40 s of CI: its engine path is tested in process (test_vllm_engine.py: the
-# LoRA engine's generation, scoring and swaps); run it with TBA_TEST_ALL_LORA_KINDS=1
-@pytest.mark.parametrize("publish", ["adapter", "auto"] if os.environ.get("TBA_TEST_ALL_LORA_KINDS") else ["auto"])
+@pytest.mark.parametrize("publish", ["adapter", "auto"])
 def test_vllm_searchers_and_evals_serve_lora_adapters(tmp_path, cli, publish):
     """With ``model.lora.r`` and ``model.lora.publish adapter`` the searchers' and the eval's vLLM engines are
     LoRA engines (``lora_rank``, wired in ``tba.runtime.build._vllm_engine``) taking the trainer's adapter
