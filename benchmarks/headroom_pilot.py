@@ -19,14 +19,15 @@ n, seconds, the machine load) go to ``--out`` as JSON, one record per candidate,
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_json  # noqa: E402
 
 DEFAULT_CANDIDATES = [
     "chain_sum:{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}",  # the quickstart's, for reference
@@ -40,14 +41,13 @@ DEFAULT_CANDIDATES = [
 ]
 
 
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson score interval of a binomial rate k/n (better than the normal one near 0 and 1)."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
+def wilson(k: int, n: int) -> tuple[float, float]:
+    """The 95% Wilson score interval of a binomial rate k/n (better than the normal one near 0 and 1):
+    scipy's ``binomtest(...).proportion_ci(method="wilson")``."""
+    from scipy.stats import binomtest
+
+    ci = binomtest(k, n).proportion_ci(0.95, method="wilson")
+    return float(ci.low), float(ci.high)
 
 
 def parse_candidate(text: str) -> tuple[str, dict]:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                "examples": result.get("examples", [])[:2]}
         records.append(rec)
         print(f"{cand:80s} {acc:.3f} [{lo:.3f}, {hi:.3f}] n={n} ({rec['seconds']:.0f} s)", flush=True)
-        Path(args.out).write_text(json.dumps(records, indent=1))  # after every candidate: a stop keeps the rest
+        write_json(Path(args.out), records)  # after every candidate: a stop keeps the rest
     return 0
 
 

@@ -19,6 +19,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import pyplot, save_figure  # noqa: E402
+
 PANELS = [("searcher/reward_mean", "searcher reward"), ("loss/kl_mean", "KL(pi || pi_ref), nats"),
           ("loss/log_z_mean", "log Z"), ("train/grad_norm", "grad norm (before clip)"),
           ("searcher/distinct_frac", "distinct responses / S"), ("train/response_len_mean", "response tokens")]
@@ -41,10 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, summary.json)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     from tba.logger import eval_series, read_metrics
 
@@ -66,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     axes[0, 0].legend(fontsize=7)
     for ax in axes[-1]:
         ax.set_xlabel("trainer step")
-    fig.tight_layout()
-    fig.savefig(args.out, dpi=100)
-    print(args.out)
+    print(save_figure(fig, Path(args.out)))
     return 0
 
 
