@@ -3,10 +3,11 @@
 - ``configuration.md`` is generated at build time from the config classes' field declarations
   (:func:`tba.config.iter_fields`) and every task's ``Options`` model (:func:`tba.cli.task_option_fields`): the
   source ``tba train --help`` prints, so each default and its explanation are written once, in the code.
-- The repository's own reports outside ``docs/`` (README.md, benchmarks/README.md, the benchmark tables and
-  figures) are mounted under ``repo/`` as they are, so the site shows them without copies; a docs page links to
-  them as ``../README.md`` (right on GitHub too), which :func:`on_page_markdown` points at ``repo/README.md``;
-  a mounted file's links into ``docs/`` (``docs/usage.md`` in the README) point at the site's pages.
+- The repository's own reports outside ``docs/`` (README.md, benchmarks/README.md, the benchmark tables,
+  figures and top-level JSON results) are mounted under ``repo/`` as they are, so the site shows them without
+  copies; a docs page links to them as ``../README.md`` (right on GitHub too), which :func:`on_page_markdown`
+  points at ``repo/README.md``; a mounted file's links into ``docs/`` (``docs/usage.md`` in the README) point
+  at the site's pages.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MOUNT = "repo"
 #: repository files the site carries under ``repo/`` (one level of results folders: their runs/ stay out)
-MOUNTED = ("README.md", "benchmarks/README.md", "benchmarks/results/*.md", "benchmarks/results/*/*.md",
-           "benchmarks/results/*/*.png")
+MOUNTED = ("README.md", "benchmarks/README.md", "benchmarks/results/*.md", "benchmarks/results/*.json",
+           "benchmarks/results/*/*.md", "benchmarks/results/*/*.png")
 
 _CODE_SPAN = re.compile(r"(`[^`]*`)")
 _SPECIAL = re.compile(r"([\\*_<>|\[\]])")
