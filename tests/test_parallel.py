@@ -2,6 +2,7 @@
 
 Real gloo process groups of 2 ranks (torch.multiprocessing spawn, loopback rendezvous) on the 2-layer
 SmolLM2; no Ray. One spawn runs every scenario in turn (data-parallel and FSDP2, TB and RLOO, micro-batched;
+FSDP2 with a LoRA adapter and with the reference scored by the trainer;
 a sharded checkpoint round trip) and writes each rank-0 result to a file, and a 1-rank spawn reloads the
 sharded checkpoint; the tests compare them with a single process's step on the same whole batch.
 """
@@ -20,7 +21,9 @@ from tba.types import Batch, Sample
 B, K, MICRO = 4, 4, 3  # 2 prompt groups x 4 responses per rank: micro batches of 3, 3 and 2
 LR = 1e-4
 SCENARIOS = [("dp", "tb"), ("dp", "rloo"), ("fsdp", "tb"), ("fsdp", "rloo"), ("dp", "dr_grpo"),
-             ("dp", "online_dpo"), ("dp", "tb-logz")]  # tb-logz: TB with a learned log Z (loss.log_z)
+             ("dp", "online_dpo"), ("dp", "tb-logz"), ("fsdp", "tb-lora"), ("fsdp", "tb-ref")]
+# tb-logz: TB with a learned log Z (loss.log_z); tb-lora: a LoRA adapter, the reference scored by the trainer as
+# the sharded base with the adapter off; tb-ref: the reference scored by the trainer with its own (unsharded) model
 
 
 def make_batch(model, tokenizer) -> Batch:
@@ -44,9 +47,34 @@ def make_batch(model, tokenizer) -> Batch:
     return Batch(samples, K)
 
 
-def trainer_for(model, loss: str):
+def policy_for(model_path, loss: str):
+    """The scenario's policy: the 2-layer model, with a rank-4 LoRA adapter for tb-lora."""
+    from tba.adapters import add_adapter
+    from tba.config import LoraSettings
+
+    model = _load(model_path)
+    return add_adapter(model, LoraSettings(r=4)) if loss == "tb-lora" else model
+
+
+def batch_for(batch: Batch, loss: str) -> Batch:
+    """A copy of ``batch``; without reference log-probs where the trainer scores them (tb-lora, tb-ref)."""
+    import copy
+
+    out = copy.deepcopy(batch)
+    if loss in ("tb-lora", "tb-ref"):
+        for s in out.samples:
+            s.ref_logprobs = None
+    return out
+
+
+def trainer_for(model, loss: str, model_path=None):
     from tba.trainer import Trainer
 
+    if loss in ("tb-lora", "tb-ref"):
+        ref = model if loss == "tb-lora" else _load(model_path).eval()
+        cfg = TrainerConfig(micro_batch_size=MICRO, lr=LR, lr_schedule="constant", grad_clip=1e9,
+                            prompts_per_step=B, group_size=K)
+        return Trainer(model, 0, cfg, LossConfig(name="tb"), temperature=0.7, ref_model=ref)
     cfg = TrainerConfig(micro_batch_size=MICRO, lr=LR, lr_schedule="constant", grad_clip=1e9, prompts_per_step=B,
                         group_size=K)
     if loss == "tb-logz":  # the learned table: every rank's loss is the whole batch's, so is its gradient
@@ -85,15 +113,15 @@ def _worker(rank: int, world: int, port: int, model_path: str, out: str) -> None
     tok = load_tokenizer(model_path)
     batch = make_batch(_load(model_path), tok)
     for kind, loss in SCENARIOS:
-        model = _load(model_path)
+        model = policy_for(model_path, loss)
         unsharded = None
         if kind == "fsdp":
             unsharded = copy.deepcopy(model) if rank == 0 else None
             parallel.fully_shard_model(model)
-        tr = trainer_for(model, loss)
+        tr = trainer_for(model, loss, model_path)
         tr.unsharded = unsharded
         grads = grads_of(tr)
-        metrics = tr.step(copy.deepcopy(batch))
+        metrics = tr.step(batch_for(batch, loss))
         full = tr.full_model()
         if rank == 0:
             torch.save({"params": {n: p.detach().clone() for n, p in full.named_parameters()}, "grads": grads,
@@ -167,15 +195,15 @@ def ranked(model_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(model_path, tokenizer):
     """One process's step on the whole batch, per objective: (parameters, gradients, metrics)."""
-    import copy
 
     batch = make_batch(_load(model_path), tokenizer)
     out = {}
     for loss in {loss for _, loss in SCENARIOS}:
-        tr = trainer_for(_load(model_path), loss)
+        tr = trainer_for(policy_for(model_path, loss), loss, model_path)
         grads = grads_of(tr)
-        metrics = tr.step(copy.deepcopy(batch))
-        out[loss] = ({n: p.detach().clone() for n, p in tr.model.named_parameters()}, grads, metrics, tr.log_z)
+        metrics = tr.step(batch_for(batch, loss))
+        trained = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}  # LoRA: A, B
+        out[loss] = (trained, grads, metrics, tr.log_z)
     return out
 
 
@@ -195,7 +223,7 @@ def test_two_ranks_take_the_single_process_step(ranked, single, kind, loss):
     g2 = torch.cat([g.flatten() for g in got["grads"]])
     assert g1.norm() > 0
     assert (g1 - g2).norm() / g1.norm() < 1e-5
-    names = list(params)  # named_parameters order: that of trainer.params and of the gradients
+    names = list(params)  # the trained parameters in named_parameters order: that of trainer.params and the grads
     p1 = torch.cat([params[n].flatten() for n in names])
     p2 = torch.cat([got["params"][n].flatten() for n in names])
     agree = (g1 - g2).abs() <= 1e-2 * g1.abs()  # elementwise to 1%: AdamW's updates then differ by <= lr / 100
