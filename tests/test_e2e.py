@@ -8,7 +8,6 @@ import os
 import signal
 import time
 
-import pytest
 from conftest import patched_env
 
 from tba.config import SearcherConfig
@@ -173,18 +172,18 @@ def test_killed_searcher_is_restarted_and_run_completes(tmp_path, cli):
 RAISE_ONCE = """
 import json, os
 
-FLAG, LOG = os.environ["TBA_TEST_RAISED"], os.environ["TBA_TEST_BATCHES"]
-step = module.Searcher.step
+RAISED, LOG = os.environ["TBA_TEST_RAISED"], os.environ["TBA_TEST_BATCHES"]
+step_before_raise = module.Searcher.step
 
 
 def flaky_step(self):
-    if self.version >= 2 and not os.path.exists(FLAG):
+    if self.version >= 2 and not os.path.exists(RAISED):
         if getattr(self, "_fresh_batches", 0) >= 1:
-            with open(FLAG, "w") as f:
+            with open(RAISED, "w") as f:
                 json.dump({"pid": os.getpid(), "version": self.version}, f)
             raise RuntimeError("injected searcher failure")
         self._fresh_batches = getattr(self, "_fresh_batches", 0) + 1
-    samples, metrics = step(self)
+    samples, metrics = step_before_raise(self)
     with open(LOG, "a") as f:
         f.write(json.dumps({"pid": os.getpid(), "versions": sorted({s.policy_version for s in samples})}) + "\\n")
     return samples, metrics
@@ -194,30 +193,34 @@ module.Searcher.step = flaky_step
 """
 
 
-def test_raising_searcher_is_restarted_with_the_newest_weights(tmp_path, cli):
-    """A searcher whose loop raises mid-run (not a kill) is restarted; the run completes, and the restarted
-    searcher's first batch is generated with the newest weights published before the restart.
+def test_hung_then_raising_searcher_is_restarted_with_the_newest_weights(tmp_path, cli):
+    """Async mode: the run's first searcher batch never returns, so during the buffer fill the supervisor
+    sees no call to the buffer for ``searcher.stall_timeout_s`` and restarts it (without the watchdog the
+    fill waits forever); later its replacement's loop raises (not a kill) and is restarted too. The run
+    completes, and the second replacement's first batch is generated with the newest weights published
+    before its restart.
 
     By hand, with k = 1 (weights published after every step): the driver looks for dead searchers at the
-    start of each loop iteration, so the first step recorded with ``searcher/restarts`` = 1, s_r, is the
+    start of each loop iteration, so the first step recorded with ``searcher/restarts`` = 2, s_r, is the
     one whose iteration restarted it, after version s_r - 1 was published. The new searcher's first buffer
     call fetches the newest version, >= s_r - 1, before it generates anything; without that hand-over it
     would generate with the initial weights, version 0 (and the raise comes at version >= 2 < s_r)."""
-    raised, batches = tmp_path / "raised.json", tmp_path / "batches.jsonl"
-    env = patched_env(tmp_path, "tba.searcher", RAISE_ONCE, TBA_TEST_RAISED=str(raised),
-                      TBA_TEST_BATCHES=str(batches))
+    raised, batches, hung = tmp_path / "raised.json", tmp_path / "batches.jsonl", tmp_path / "hung"
+    env = patched_env(tmp_path, "tba.searcher", HANG_ONCE + RAISE_ONCE, TBA_TEST_RAISED=str(raised),
+                      TBA_TEST_BATCHES=str(batches), TBA_TEST_HUNG=str(hung))
     out = tmp_path / "raise"
-    r = cli.run([*TINY, "--max-steps", "24", "--trainer.sync_period", "1", "--run.eval_before", "false",
-                 "--run.eval_after", "false", "--trainer.save_final", "false", "--run.tensorboard", "false",
-                 "--output-dir", str(out)], env=env)
+    r = cli.run([*TINY, "--max-steps", "24", "--trainer.sync_period", "1", "--searcher.stall_timeout_s", "5",
+                 "--run.eval_before", "false", "--run.eval_after", "false", "--trainer.save_final", "false",
+                 "--run.tensorboard", "false", "--output-dir", str(out)], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert hung.is_file() and "searcher 0 died (no batch " in r.stdout + r.stderr
     assert "searcher 0 died (RuntimeError: injected searcher failure)" in r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["trainer_steps"] == 24 and summary["searcher_restarts"] == 1
+    assert summary["trainer_steps"] == 24 and summary["searcher_restarts"] == 2
     records = [rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec]
     assert [rec["step"] for rec in records] == list(range(1, 25))
-    s_r = next(rec["step"] for rec in records if rec["searcher/restarts"] == 1.0)
-    assert records[-1]["searcher/restarts"] == 1.0
+    s_r = next(rec["step"] for rec in records if rec["searcher/restarts"] == 2.0)
+    assert records[0]["searcher/restarts"] == 1.0 and records[-1]["searcher/restarts"] == 2.0
     died = json.loads(raised.read_text())
     assert died["version"] >= 2 and s_r - 1 >= died["version"]
     logged = [json.loads(line) for line in batches.read_text().splitlines()]
@@ -239,31 +242,30 @@ def test_raising_searcher_is_restarted_with_the_newest_weights(tmp_path, cli):
 HANG_ONCE = """
 import os, time
 
-FLAG = os.environ["TBA_TEST_HUNG"]
-step = module.Searcher.step
+HUNG = os.environ["TBA_TEST_HUNG"]
+step_before_hang = module.Searcher.step
 
 
 def hanging_step(self):
-    if not os.path.exists(FLAG):
-        open(FLAG, "w").close()
+    if not os.path.exists(HUNG):
+        open(HUNG, "w").close()
         time.sleep(10**6)
-    return step(self)
+    return step_before_hang(self)
 
 
 module.Searcher.step = hanging_step
 """
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_hung_searcher_is_restarted(tmp_path, cli, mode):
-    """A searcher that stops delivering (its batch never returns) is killed after ``searcher.stall_timeout_s``
-    and restarted, counted once; the run completes in both modes (async: during the buffer fill the
-    supervisor sees no call to the buffer for that long; sync: the round's call times out and the new
-    searcher is asked again). Without the watchdog both runs wait forever: the fill, or the round."""
+def test_hung_searcher_is_restarted_in_sync_mode(tmp_path, cli):
+    """Sync mode: a searcher that stops delivering (its batch never returns) is killed after
+    ``searcher.stall_timeout_s`` and restarted, counted once (the round's call times out and the new searcher
+    is asked again); the run completes. Without the watchdog the round waits forever. (Async mode:
+    :func:`test_hung_then_raising_searcher_is_restarted_with_the_newest_weights`.)"""
     hung = tmp_path / "hung"
     env = patched_env(tmp_path, "tba.searcher", HANG_ONCE, TBA_TEST_HUNG=str(hung))
-    out = tmp_path / mode
-    r = cli.run([*TINY, "--max-steps", "6", "--mode", mode, "--trainer.sync_period", "1",
+    out = tmp_path / "sync"
+    r = cli.run([*TINY, "--max-steps", "6", "--mode", "sync", "--trainer.sync_period", "1",
                  "--searcher.stall_timeout_s", "5", "--run.eval_before", "false", "--run.eval_after", "false",
                  "--trainer.save_final", "false", "--run.tensorboard", "false", "--output-dir", str(out)], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
