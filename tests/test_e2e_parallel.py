@@ -14,30 +14,14 @@ from tba.config import SearcherConfig
 from tba.logger import read_metrics
 
 
-def test_two_trainer_ranks_end_to_end(tmp_path, cli):
-    """2 data-parallel ranks and a searcher: the run prints the ranks, trains every step, publishes weights
-    that reach the searcher (sync check within bound), and leaves no process behind."""
-    out = tmp_path / "dp"
-    r = cli.run([*TINY, "--trainer.num_workers", "2", "--max-steps", "4", "--trainer.sync_period", "2",
-                 "--run.eval_before", "false", "--output-dir", str(out)])
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "trainer 2 ranks x 1 thread(s) (gloo, one node)" in r.stdout
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["trainer_steps"] == 4 and summary["searcher_max_version"] >= 2
-    records = [rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec]
-    assert [rec["step"] for rec in records] == [1, 2, 3, 4]
-    assert all(rec["train/grad_norm"] > 0 and rec["train/skipped"] == 0 for rec in records)
-    gaps = [rec["sync/logprob_gap"] for rec in records if "sync/logprob_gap" in rec]
-    assert gaps and max(gaps) < SearcherConfig().sync_gap_bound
-    assert (out / "final" / "config.json").is_file()
-    cli.assert_nothing_left()
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
 def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig):
     """SIGKILL (dies) or SIGSTOP (hangs) one of 2 ranks mid-run: the run ends with one error line naming a
     trainer rank within trainer.collective_timeout_s (+ start-up slack), no process is left, and the last
-    periodic checkpoint resumes to max_steps (resumed once, after SIGKILL: the resume is the same path)."""
+    periodic checkpoint resumes to max_steps (resumed once, after SIGKILL: the resume is the same path).
+
+    The resume is also the 2-rank run end to end: it prints the ranks, trains every step, publishes weights
+    that reach the searcher (sync check within bound), saves the final model and leaves no process behind."""
     import psutil
 
     from tba.checkpoint import read_json
@@ -60,8 +44,17 @@ def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig):
     if sig == signal.SIGSTOP:
         return
     saved = read_json(ckpt)["step"]
-    r = cli.run(["--resume", str(out), "--max-steps", str(saved + 2)])
+    before = len([rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec])
+    r = cli.run(["--resume", str(out), "--max-steps", str(saved + 2), "--trainer.save_final", "true"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at trainer step {saved}" in r.stdout
-    assert json.loads((out / "summary.json").read_text())["trainer_steps"] == saved + 2
+    assert "trainer 2 ranks x 1 thread(s) (gloo, one node)" in r.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trainer_steps"] == saved + 2 and summary["searcher_max_version"] >= saved
+    records = [rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec][before:]
+    assert [rec["step"] for rec in records] == [saved + 1, saved + 2]
+    assert all(rec["train/grad_norm"] > 0 and rec["train/skipped"] == 0 for rec in records)
+    gaps = [rec["sync/logprob_gap"] for rec in records if "sync/logprob_gap" in rec]
+    assert gaps and max(gaps) < SearcherConfig().sync_gap_bound
+    assert (out / "final" / "config.json").is_file()
     cli.assert_nothing_left()
