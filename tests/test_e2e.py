@@ -78,26 +78,6 @@ def test_async_run_end_to_end(tmp_path, model_path, cli):
     cli.assert_nothing_left()
 
 
-def test_sync_mode_is_on_policy(tmp_path, cli):
-    """sync mode: generation and training alternate, every sample comes from the current policy."""
-    out = tmp_path / "sync"
-    r = cli.run([*TINY, "--max-steps", "3", "--mode", "sync", "--run.eval_before", "false",
-              "--run.eval_after", "false", "--trainer.save_final", "false", "--output-dir", str(out)])
-    assert r.returncode == 0, r.stderr[-3000:]
-    records = read_metrics(out / "metrics.jsonl")
-    assert len(records) == 3
-    assert all(rec["buffer/staleness_max"] == 0 and rec["buffer/on_policy_frac"] == 1.0 for rec in records)
-    # every sample is of the trained weights: behaviour and trainer log-probs differ by bf16 precision only
-    assert all(0 < rec["train/fresh_behaviour_gap"] < SearcherConfig().sync_gap_bound for rec in records)
-    # the searchers load version t - 1 before generating the batch of step t, and check it
-    assert [rec["step"] for rec in records if "sync/logprob_gap" in rec] == [2, 3]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["searcher_max_version"] == 2 and summary["staleness_max"] == 0
-    # the synchronous trainer waits for every batch's generation, so it is idle part of the loop
-    assert 0 < summary["trainer_idle_frac"] < 1
-    assert all(0 <= rec["perf/trainer_idle_frac"] < 1 for rec in records)
-
-
 def test_generation_lag_sets_staleness_without_reuse(tmp_path, cli):
     """trainer.generation_lag L = 2 with k = 1 and m = 1: searchers generate with the weights of 2 versions
     ago, so from step 3 on every trained sample is at least 2 steps stale (without the lag the newest samples
@@ -257,21 +237,33 @@ module.Searcher.step = hanging_step
 """
 
 
-def test_hung_searcher_is_restarted_in_sync_mode(tmp_path, cli):
-    """Sync mode: a searcher that stops delivering (its batch never returns) is killed after
-    ``searcher.stall_timeout_s`` and restarted, counted once (the round's call times out and the new searcher
-    is asked again); the run completes. Without the watchdog the round waits forever. (Async mode:
+def test_sync_mode_is_on_policy_and_restarts_a_hung_searcher(tmp_path, cli):
+    """Sync mode: generation and training alternate, every sample comes from the current policy. The run's
+    first searcher batch never returns: the searcher is killed after ``searcher.stall_timeout_s`` and
+    restarted, counted once (the round's call times out and the new searcher is asked again), and the run
+    completes on policy. Without the watchdog the round waits forever. (Async mode:
     :func:`test_hung_then_raising_searcher_is_restarted_with_the_newest_weights`.)"""
     hung = tmp_path / "hung"
     env = patched_env(tmp_path, "tba.searcher", HANG_ONCE, TBA_TEST_HUNG=str(hung))
     out = tmp_path / "sync"
-    r = cli.run([*TINY, "--max-steps", "6", "--mode", "sync", "--trainer.sync_period", "1",
+    r = cli.run([*TINY, "--max-steps", "4", "--mode", "sync", "--trainer.sync_period", "1",
                  "--searcher.stall_timeout_s", "5", "--run.eval_before", "false", "--run.eval_after", "false",
                  "--trainer.save_final", "false", "--run.tensorboard", "false", "--output-dir", str(out)], env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     assert hung.is_file() and "searcher 0 died (no batch " in r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["trainer_steps"] == 6 and summary["searcher_restarts"] == 1
+    assert summary["trainer_steps"] == 4 and summary["searcher_restarts"] == 1
+    records = read_metrics(out / "metrics.jsonl")
+    assert len(records) == 4
+    assert all(rec["buffer/staleness_max"] == 0 and rec["buffer/on_policy_frac"] == 1.0 for rec in records)
+    # every sample is of the trained weights: behaviour and trainer log-probs differ by bf16 precision only
+    assert all(0 < rec["train/fresh_behaviour_gap"] < SearcherConfig().sync_gap_bound for rec in records)
+    # the searchers load version t - 1 before generating the batch of step t, and check it
+    assert [rec["step"] for rec in records if "sync/logprob_gap" in rec] == [2, 3, 4]
+    assert summary["searcher_max_version"] == 3 and summary["staleness_max"] == 0
+    # the synchronous trainer waits for every batch's generation, so it is idle part of the loop
+    assert 0 < summary["trainer_idle_frac"] < 1
+    assert all(0 <= rec["perf/trainer_idle_frac"] < 1 for rec in records)
     cli.assert_nothing_left()
 
 
