@@ -14,14 +14,16 @@ from tba.config import SearcherConfig
 from tba.logger import read_metrics
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
-def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig):
+@pytest.mark.parametrize("sig,fsdp", [(signal.SIGKILL, True), (signal.SIGSTOP, False)], ids=["kill-fsdp", "stop"])
+def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig, fsdp):
     """SIGKILL (dies) or SIGSTOP (hangs) one of 2 ranks mid-run: the run ends with one error line naming a
     trainer rank within trainer.collective_timeout_s (+ start-up slack), no process is left, and the last
     periodic checkpoint resumes to max_steps (resumed once, after SIGKILL: the resume is the same path).
 
-    The resume is also the 2-rank run end to end: it prints the ranks, trains every step, publishes weights
-    that reach the searcher (sync check within bound), saves the final model and leaves no process behind."""
+    The SIGKILL case runs FSDP2-sharded (``trainer.fsdp``: its checkpoint is torch.distributed.checkpoint's),
+    the SIGSTOP case data-parallel. The resume is also the sharded 2-rank run end to end: it prints the ranks,
+    trains every step, publishes weights that reach the searcher (sync check within bound), evaluates (every
+    rank gathers the policy for it), saves the final model and leaves no process behind."""
     import psutil
 
     from tba.checkpoint import read_json
@@ -29,7 +31,7 @@ def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig):
     out = tmp_path / "lost"
     args = [*TINY, "--trainer.num_workers", "2", "--trainer.collective_timeout_s", "10", "--max-steps", "40",
             "--run.checkpoint_every", "2", "--run.eval_before", "false", "--run.eval_after", "false",
-            "--trainer.save_final", "false", "--output-dir", str(out)]
+            "--trainer.save_final", "false", "--trainer.fsdp", str(fsdp).lower(), "--output-dir", str(out)]
     p = cli.start(args)
     ckpt = out / "checkpoint" / "driver.json"
     cli.wait_for(lambda: ckpt.is_file() and read_json(ckpt)["step"] >= 2, p)
@@ -45,10 +47,11 @@ def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig):
         return
     saved = read_json(ckpt)["step"]
     before = len([rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec])
-    r = cli.run(["--resume", str(out), "--max-steps", str(saved + 2), "--trainer.save_final", "true"])
+    r = cli.run(["--resume", str(out), "--max-steps", str(saved + 2), "--trainer.save_final", "true",
+                 "--run.eval_after", "true"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed at trainer step {saved}" in r.stdout
-    assert "trainer 2 ranks x 1 thread(s) (gloo, one node)" in r.stdout
+    assert "trainer 2 ranks x 1 thread(s) (FSDP2-sharded, gloo, one node)" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["trainer_steps"] == saved + 2 and summary["searcher_max_version"] >= saved
     records = [rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec][before:]
@@ -56,5 +59,5 @@ def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig):
     assert all(rec["train/grad_norm"] > 0 and rec["train/skipped"] == 0 for rec in records)
     gaps = [rec["sync/logprob_gap"] for rec in records if "sync/logprob_gap" in rec]
     assert gaps and max(gaps) < SearcherConfig().sync_gap_bound
-    assert (out / "final" / "config.json").is_file()
+    assert "accuracy" in summary["eval_after"] and (out / "final" / "config.json").is_file()
     cli.assert_nothing_left()
