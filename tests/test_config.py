@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +11,8 @@ import pytest
 from tba.cli import _train_parser, parse_train_args
 from tba.config import Config, ConfigError, iter_fields, load_config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
 
 
 def test_overrides_both_syntaxes_and_yaml_values():
@@ -66,3 +69,27 @@ def test_help_lists_every_field_with_its_doc():
 @pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_shipped_configs_validate(name):
     assert isinstance(load_config(CONFIGS / name), Config)
+
+
+#: a shipped config's claim about its base model, in its comments: range, result file, the file's candidate
+BASE_CLAIM = re.compile(r'Base accuracy: ([0-9.]+)-([0-9.]+) greedy.*?'
+                        r'\((benchmarks/results/[^,]+),\s+candidate "([^"]+)"', re.DOTALL)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_shipped_configs_base_accuracy_claims_are_backed_by_a_committed_result(name):
+    """A config whose comments state the base model's accuracy names a committed result file and its entry;
+    the entry is this config's task and options, and its measured accuracy lies in the stated range. A
+    comment that mentions base accuracy in any other form fails (an unbacked claim)."""
+    text = (CONFIGS / name).read_text()
+    comments = "\n".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    claims = BASE_CLAIM.findall(comments)
+    loose = [line for line in text.splitlines() if line.startswith("#") and "greedy" in line and "%" in line]
+    assert not loose, f"{name}: a base-accuracy claim not in the checked form: {loose}"
+    cfg = load_config(CONFIGS / name)
+    for low, high, path, candidate in claims:
+        entries = [e for e in json.loads((ROOT / path).read_text()) if e["candidate"] == candidate]
+        assert len(entries) == 1, (path, candidate)
+        entry = entries[0]
+        assert cfg.task.name.endswith(":" + entry["task"]) and entry["options"] == cfg.task.options, entry
+        assert float(low) <= entry["accuracy"] <= float(high), (name, entry["accuracy"])
