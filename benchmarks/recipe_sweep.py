@@ -1,0 +1,292 @@
+"""Recipe sweep: TB's KL coefficient schedule and learning rate chosen by evidence (issue 25, item 3).
+
+The off-policy study found the shipped recipe at sync period 1 the least reliable arm (1 seed in 3 below the
+base model) while TB at a constant beta of 0.05 learned on every seed. This study measures which recipe
+learns on every seed, and by how much, before the shipped defaults change.
+
+Design
+------
+Every *cell* trains the same base model on the same task, from the same config (default: the quickstart), for
+the same number of trainer steps, and differs only in its *arm* (:data:`ARMS`), its sync period k
+(``trainer.sync_period``; default 1 and the config's) and its seed:
+
+- ``shipped``: the config as it is (quickstart: beta annealed 0.012 -> 0.004, lr 2e-5);
+- ``const-B``: beta fixed at B (``trainer.beta_start = beta_end = B``), B in {0.01, 0.02, 0.05, 0.1};
+- ``anneal-B``: beta annealed linearly from B to B/3 over the whole run (the shipped schedule's shape);
+- ``lr1e-5``, ``lr4e-5``: the shipped recipe at half and twice its learning rate.
+
+Seeds ``run.seed`` are paired (every arm and k of a seed shares them) and every cell evaluates the same
+held-out problems (``task.seed``) every ``run.eval_every`` steps (default here: 10) and after training. A
+cell's scores are its final eval and the mean of its last 3 evals (the final one included), which is less
+noisy than one eval. The base model's accuracy is measured once (greedy decoding of the unchanged model gives
+the same number in every cell). Screen on 2 seeds, then confirm the survivors on at least 5.
+
+Statistics (``_stats``): per arm and k, the mean of each score over seeds with a 95% Student-t interval, the
+gain over the base with its interval, the smallest gain over seeds, how many seeds ended above the base, and
+the standard deviation over seeds; per arm, the paired difference of its last-3 score from ``shipped``'s at
+the same k. Every finished cell is appended to ``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl``
+(every step and every eval) copied to ``<out>/curves/<cell>.jsonl``, so ``--resume`` skips finished cells and
+a later analysis can be recomputed. Each record holds the cell's compute and the load average around it.
+
+Commands (repository root, venv active)
+---------------------------------------
+Smoke (2-layer model; the numbers mean nothing)::
+
+    python benchmarks/recipe_sweep.py --steps 4 --seeds 0 --arms shipped const-0.05 --sync-periods 1 \\
+        --set run.eval_every=2 --set task.eval_size=8 --set model.num_hidden_layers=2 \\
+        --set task.train_size=40 --set searcher.max_new_tokens=8 --set buffer.min_fill=16 --out /tmp/sweep
+
+The screen (2 CPU cores: about 6 minutes a cell; 11 arms x 2 sync periods x 2 seeds)::
+
+    python benchmarks/recipe_sweep.py --seeds 0 1 --resume --out benchmarks/results/recipe_sweep
+
+``--report-only`` rebuilds ``table.md`` from ``results.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, also when loaded by path
+from _common import add_study_options, append_result, error_line, read_results, setup_id, start_study, study_main
+from _stats import mean_ci, paired_difference_ci
+
+BETAS = (0.01, 0.02, 0.05, 0.1)
+#: arm name -> its config overrides; an anneal's length is the run's (filled in by :func:`cell_overrides`)
+ARMS: dict[str, dict[str, Any]] = {
+    "shipped": {},
+    **{f"const-{b}": {"trainer.beta_start": b, "trainer.beta_end": b} for b in BETAS},
+    **{f"anneal-{b}": {"trainer.beta_start": b, "trainer.beta_end": b / 3, "trainer.beta_anneal_steps": None}
+       for b in BETAS},
+    "lr1e-5": {"trainer.lr": 1e-5},
+    "lr4e-5": {"trainer.lr": 4e-5},
+}
+#: what every cell sets (no final model, TensorBoard or checkpoints: the study keeps the curves)
+BENCH_DEFAULTS = {"trainer.save_final": False, "run.tensorboard": False, "run.checkpoint_every": 0,
+                  "run.eval_every": 10}
+LAST = 3  # evals averaged in a cell's last-evals score
+
+
+def plan_cells(seeds: list[int], arms: list[str], sync_periods: list[int]) -> list[dict]:
+    """Every cell, seed-major, then sync period, then arm: ``{"arm", "k", "seed"}``."""
+    return [{"arm": a, "k": k, "seed": s} for s in seeds for k in sync_periods for a in arms]
+
+
+def cell_name(c: dict) -> str:
+    return f"{c['arm']}-k{c['k']}-s{c['seed']}"
+
+
+def cell_key(rec: dict) -> tuple:
+    return rec["arm"], int(rec["k"]), int(rec["seed"]), rec.get("setup")
+
+
+def cell_overrides(extra: dict, c: dict, steps: int, run_dir: Path, measure_base: bool) -> dict:
+    """Config overrides of one cell: the study's ``extra``, then the arm's (an anneal over ``steps``), then
+    the cell's own."""
+    arm = {k: (steps if v is None else v) for k, v in ARMS[c["arm"]].items()}
+    return {**extra, **arm, "trainer.sync_period": c["k"], "run.seed": c["seed"], "trainer.max_steps": steps,
+            "run.output_dir": str(run_dir), "run.eval_before": measure_base, "run.eval_after": True}
+
+
+def eval_points(metrics_path: Path, after: dict, last_step: int) -> list[tuple[int, float]]:
+    """(step, accuracy) of every eval during training (``eval/accuracy`` records of ``metrics.jsonl``) and of
+    the eval after it (``after``, at ``last_step``; it replaces an eval logged at that same step)."""
+    from tba.logger import eval_series
+
+    series = eval_series(read_results(metrics_path), after=after, last_step=last_step)
+    if series is None:
+        return []
+    points = {step: value for step, value, _ in series[1]}  # the eval after training is last: it wins its step
+    return sorted(points.items())
+
+
+def last_mean(points: list[tuple[int, float]], n: int = LAST) -> float | None:
+    """Mean accuracy of the last ``n`` evals (fewer when fewer ran; None without any)."""
+    tail = [v for _, v in points[-n:]]
+    return sum(tail) / len(tail) if tail else None
+
+
+def latest_by_cell(records: list[dict]) -> dict[tuple, dict]:
+    """Successful records keyed by (arm, k, seed, setup); a rerun cell counts once (the latest)."""
+    return {cell_key(r): r for r in records if not r.get("error") and r.get("accuracy") is not None}
+
+
+def base_accuracy(records: list[dict]) -> float | None:
+    """The base model's accuracy, from the cell that measured it (None before one has)."""
+    return next((r["base_accuracy"] for r in records if r.get("base_measured")), None)
+
+
+def aggregate(records: list[dict]) -> list[dict]:
+    """One row per (arm, k), in :data:`ARMS` order then k: ``final`` and ``last`` (mean_ci over seeds),
+    ``gain`` (final minus the base: mean_ci), ``min_gain``, ``above`` (seeds with final > base), ``sd``
+    (sample standard deviation of the final accuracy over seeds; NaN for one seed), ``seeds`` and
+    ``train_s`` (median train seconds)."""
+    import statistics
+
+    base = base_accuracy(records)
+    cells: dict[tuple, list[dict]] = {}
+    for (arm, k, _, _), r in sorted(latest_by_cell(records).items(), key=lambda kv: kv[0][2]):
+        cells.setdefault((arm, k), []).append(r)
+    order = {a: i for i, a in enumerate(ARMS)}
+    rows = []
+    for (arm, k), rs in sorted(cells.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1])):
+        finals = [r["accuracy"] for r in rs]
+        gains = [f - base for f in finals] if base is not None else []
+        rows.append({"arm": arm, "k": k, "seeds": [r["seed"] for r in rs], "final": mean_ci(finals),
+                     "last": mean_ci([r["last_mean"] for r in rs]), "gain": mean_ci(gains) if gains else None,
+                     "min_gain": min(gains) if gains else None, "above": sum(g > 0 for g in gains),
+                     "sd": statistics.stdev(finals) if len(finals) > 1 else float("nan"),
+                     "train_s": statistics.median(r["train_wall_s"] for r in rs)})
+    return rows
+
+
+def versus_shipped(records: list[dict]) -> list[dict]:
+    """Per arm and k other than ``shipped``: the paired difference (arm minus shipped) of the last-evals score
+    over the seeds both ran."""
+    cells = latest_by_cell(records)
+    order = {a: i for i, a in enumerate(ARMS)}
+    out = []
+    for arm, k in sorted({(a, k) for a, k, _, _ in cells if a != "shipped"},
+                         key=lambda ak: (order.get(ak[0], len(order)), ak[1])):
+        pairs = [(r["last_mean"], cells[("shipped", k, s, setup)]["last_mean"])
+                 for (a, kk, s, setup), r in cells.items()
+                 if (a, kk) == (arm, k) and ("shipped", k, s, setup) in cells]
+        if pairs:
+            out.append({"arm": arm, "k": k, "diff": paired_difference_ci(*zip(*pairs))})
+    return out
+
+
+def _ci(x: dict | None) -> str:
+    if x is None:
+        return "n/a"
+    if x["low"] != x["low"]:  # NaN: one seed
+        return f"{x['mean']:.3f} (n={x['n']})"
+    return f"{x['mean']:.3f} [{x['low']:.3f}, {x['high']:.3f}] (n={x['n']})"
+
+
+def format_report(records: list[dict]) -> str:
+    """Markdown: the cells (scores, gain over the base, reliability), then each arm against ``shipped``."""
+    base = base_accuracy(records)
+    head = ["arm", "k", "final [95% CI]", f"last {LAST} evals [95% CI]", "gain over base [95% CI]", "smallest gain",
+            "seeds above base", "sd over seeds", "train s / cell"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in aggregate(records):
+        lines.append("| " + " | ".join([
+            r["arm"], str(r["k"]), _ci(r["final"]), _ci(r["last"]), _ci(r["gain"]),
+            "n/a" if r["min_gain"] is None else f"{r['min_gain']:+.3f}", f"{r['above']}/{len(r['seeds'])}",
+            f"{r['sd']:.3f}", f"{r['train_s']:.0f}"]) + " |")
+    vs = versus_shipped(records)
+    if vs:
+        lines += ["", f"Paired by seed: each arm's last-{LAST}-evals score minus shipped's at the same k.", "",
+                  "| arm | k | minus shipped [95% CI] |", "|---|---|---|"]
+        lines += [f"| {v['arm']} | {v['k']} | {_ci(v['diff'])} |" for v in vs]
+    notes = ["Accuracy: greedy, on the same held-out problems in every cell; intervals are 95% Student-t over "
+             "paired seeds."]
+    if base is not None:
+        notes.append(f"Base model (before training): {base:.3f}.")
+    failed = [r for r in records if r.get("error") and cell_key(r) not in latest_by_cell(records)]
+    if failed:
+        notes.append("Failed cells (not in the tables): " + ", ".join(
+            f"{cell_name(r)} ({r['error'][:80]})" for r in failed))
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def report(out: Path) -> str:
+    """Write ``table.md`` from ``<out>/results.jsonl``; return it."""
+    table = format_report(read_results(out / "results.jsonl"))
+    (out / "table.md").write_text(table)
+    return table
+
+
+def run_cell(args, rec: dict, overrides: dict, out: Path) -> dict:
+    """Train one cell; append its record (or its error) to ``results.jsonl`` and its metrics to ``curves/``.
+    KeyboardInterrupt passes through."""
+    from tba import train
+
+    t0 = time.monotonic()
+    rec["load_before"] = os.getloadavg()[0]
+    try:
+        s = train(args.config, overrides=overrides, show_progress=False)
+    except Exception as e:  # noqa: BLE001 - record the failure, go on with the other cells
+        rec["error"] = error_line(e, -1)
+        print(f"  cell failed: {rec['error']}", file=sys.stderr, flush=True)
+        append_result(out / "results.jsonl", rec)
+        return rec
+    run_dir = Path(rec["run_dir"])
+    after = s.get("eval_after", {})
+    points = eval_points(run_dir / "metrics.jsonl", after, s["trainer_steps"])
+    curve = out / "curves" / f"{cell_name(rec)}.jsonl"
+    curve.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run_dir / "metrics.jsonl", curve)
+    rec.update({"accuracy": after.get("accuracy"), "stderr": after.get("stderr"), "n_eval": after.get("n"),
+                "last_mean": last_mean(points), "evals": points, "train_wall_s": s["train_wall_s"],
+                "wall_s": time.monotonic() - t0, "trainer_steps": s["trainer_steps"], "curve": str(curve),
+                "load_after": os.getloadavg()[0]})
+    if "eval_before" in s:
+        rec["base_accuracy"], rec["base_measured"] = s["eval_before"].get("accuracy"), True
+    append_result(out / "results.jsonl", rec)
+    print(f"  final {rec['accuracy']:.3f}, last {LAST} evals {rec['last_mean']:.3f}, "
+          f"train {rec['train_wall_s']:.0f} s", flush=True)
+    return rec
+
+
+def run_study(args) -> int:
+    """Run every planned cell not yet in ``results.jsonl`` (with ``--resume``), then write the report."""
+    extra, base_cfg, out, previous = start_study(args, BENCH_DEFAULTS)
+    steps = args.steps or base_cfg.trainer.max_steps
+    setup = setup_id(args.config, steps, base_cfg.task.eval_size, extra)
+    sync_periods = args.sync_periods or sorted({1, base_cfg.trainer.sync_period})
+    cells = plan_cells(args.seeds, args.arms, sync_periods)
+    done = {k for k in latest_by_cell(previous) if k[-1] == setup}
+    base_done = any(r.get("base_measured") and r.get("setup") == setup for r in previous)
+    print(f"recipe sweep: {len(cells)} cells ({len(done)} done), {steps} steps each, setup {setup}", flush=True)
+    t0 = time.monotonic()
+    for i, c in enumerate(cells, 1):
+        if (c["arm"], c["k"], c["seed"], setup) in done:
+            continue
+        run_dir = out / "runs" / cell_name(c)
+        if run_dir.exists():
+            shutil.rmtree(run_dir)  # a fresh run: metrics.jsonl would otherwise be appended to
+        print(f"[{i}/{len(cells)}] {cell_name(c)} (elapsed {time.monotonic() - t0:.0f} s)", flush=True)
+        overrides = cell_overrides(extra, c, steps, run_dir, measure_base=not base_done)
+        rec: dict[str, Any] = {**c, "steps": steps, "setup": setup, "config": args.config, "overrides": overrides,
+                               "run_dir": str(run_dir), "cpus": os.cpu_count(),
+                               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        try:
+            rec = run_cell(args, rec, overrides, out)
+        except KeyboardInterrupt:
+            print("\ninterrupted; finished cells are in results.jsonl (continue with --resume)", file=sys.stderr)
+            return 130
+        base_done = base_done or bool(rec.get("base_measured"))
+        report(out)
+    print(f"sweep finished in {time.monotonic() - t0:.0f} s\n", flush=True)
+    print(report(out), flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="See the module docstring for the design and full commands.")
+    p.add_argument("--config", default="configs/quickstart.yaml", help="base config shared by every cell")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per cell; default: the config's")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="paired run.seed values")
+    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms")
+    p.add_argument("--sync-periods", type=int, nargs="+", default=None,
+                   help="sync periods k; default: 1 and the config's")
+    add_study_options(p, "benchmarks/results/recipe_sweep")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return study_main(args, run_study, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

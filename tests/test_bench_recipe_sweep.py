@@ -1,0 +1,89 @@
+"""benchmarks/recipe_sweep.py: each arm's config, a cell's eval scores from a hand-written metrics file, and
+the report's statistics on hand-written records (no training)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from conftest import ROOT, load_benchmark
+
+from tba.config import load_config
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_benchmark("recipe_sweep")
+
+
+@pytest.mark.parametrize("arm", ["shipped", "const-0.05", "anneal-0.02", "lr4e-5"])
+def test_every_arm_is_a_valid_config_with_its_settings(bench, arm, tmp_path):
+    c = {"arm": arm, "k": 1, "seed": 3}
+    cfg = load_config(ROOT / "configs/quickstart.yaml",
+                      bench.cell_overrides(bench.BENCH_DEFAULTS, c, 150, tmp_path, measure_base=False))
+    t = cfg.trainer
+    assert (t.sync_period, cfg.run.seed, t.max_steps, cfg.run.eval_every, cfg.run.eval_before) == (1, 3, 150, 10,
+                                                                                                   False)
+    expected = {"shipped": (0.012, 0.004, 60, 2e-5), "const-0.05": (0.05, 0.05, 60, 2e-5),
+                "anneal-0.02": (0.02, 0.02 / 3, 150, 2e-5), "lr4e-5": (0.012, 0.004, 60, 4e-5)}[arm]
+    assert (t.beta_start, t.beta_end, t.beta_anneal_steps, t.lr) == pytest.approx(expected)
+
+
+def test_eval_points_and_last_mean_from_a_metrics_file(bench, tmp_path):
+    """Evals at steps 10, 20, 30 in metrics.jsonl and the eval after training at 30 (it replaces the logged
+    one): points 0.2, 0.3, 0.6; the last 3 average (0.2 + 0.3 + 0.6) / 3 = 0.3667, the last 2 0.45."""
+    rows = [{"step": 5, "loss/tb": 1.0}, {"step": 10, "eval/accuracy": 0.2, "eval/stderr": 0.05},
+            {"step": 20, "eval/accuracy": 0.3}, {"step": 30, "eval/accuracy": 0.5}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    points = bench.eval_points(path, {"accuracy": 0.6, "stderr": 0.04}, 30)
+    assert points == [(10, 0.2), (20, 0.3), (30, 0.6)]
+    assert bench.last_mean(points) == pytest.approx(0.36667, abs=1e-5)
+    assert bench.last_mean(points, 2) == pytest.approx(0.45)
+    assert bench.last_mean([]) is None
+
+
+def _rec(arm, seed, acc, last, k=1, **kw):
+    return {"arm": arm, "k": k, "seed": seed, "setup": "abc", "accuracy": acc, "last_mean": last,
+            "train_wall_s": 300.0 + seed, **kw}
+
+
+# base 0.30; shipped finals 0.20, 0.50 (gains -0.10, +0.20); const-0.05 finals 0.45, 0.40 (gains 0.15, 0.10)
+RECORDS = [
+    _rec("shipped", 0, 0.20, 0.25, base_accuracy=0.30, base_measured=True), _rec("shipped", 1, 0.50, 0.45),
+    _rec("const-0.05", 0, 0.45, 0.45), _rec("const-0.05", 1, 0.40, 0.55),
+    _rec("const-0.05", 0, 0.45, 0.45, k=2),  # no shipped partner at k = 2: not paired
+    {"arm": "lr4e-5", "k": 1, "seed": 0, "setup": "abc", "error": "RuntimeError: x"},
+]
+
+
+def test_aggregate_hand_computed(bench):
+    rows = {(r["arm"], r["k"]): r for r in bench.aggregate(RECORDS)}
+    assert list(rows) == [("shipped", 1), ("const-0.05", 1), ("const-0.05", 2)]
+    shipped = rows[("shipped", 1)]
+    assert shipped["final"]["mean"] == pytest.approx(0.35) and shipped["last"]["mean"] == pytest.approx(0.35)
+    assert shipped["gain"]["mean"] == pytest.approx(0.05) and shipped["min_gain"] == pytest.approx(-0.10)
+    assert shipped["above"] == 1 and shipped["sd"] == pytest.approx(0.3 / math.sqrt(2))
+    # t(0.975, 1) = 12.706; sem of (-0.1, 0.2) = 0.15: 0.05 +- 1.906
+    assert shipped["gain"]["low"] == pytest.approx(0.05 - 12.7062 * 0.15, abs=1e-3)
+    const = rows[("const-0.05", 1)]
+    assert const["above"] == 2 and const["min_gain"] == pytest.approx(0.10) and const["train_s"] == 300.5
+    assert rows[("const-0.05", 2)]["seeds"] == [0] and math.isnan(rows[("const-0.05", 2)]["sd"])
+
+
+def test_versus_shipped_pairs_by_seed_and_k(bench):
+    """const-0.05 minus shipped, last-3 scores, seed 0: 0.45 - 0.25 = 0.20, seed 1: 0.55 - 0.45 = 0.10."""
+    (v,) = bench.versus_shipped(RECORDS)
+    assert (v["arm"], v["k"], v["diff"]["n"]) == ("const-0.05", 1, 2)
+    assert v["diff"]["mean"] == pytest.approx(0.15)
+
+
+def test_report_names_the_failed_cell_and_the_base(bench, tmp_path):
+    out = tmp_path / "sweep"
+    out.mkdir()
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    table = bench.report(out)
+    assert (out / "table.md").read_text() == table
+    assert "| shipped | 1 | 0.350 [" in table and "| 1/2 |" in table and "| 2/2 |" in table
+    assert "Base model (before training): 0.300." in table and "lr4e-5-k1-s0 (RuntimeError: x)" in table
