@@ -2,9 +2,9 @@
 
 Real gloo process groups of 2 ranks (torch.multiprocessing spawn, loopback rendezvous) on the 2-layer
 SmolLM2; no Ray. One spawn runs every scenario in turn (data-parallel and FSDP2, TB and RLOO, micro-batched;
-FSDP2 with a LoRA adapter and with the reference scored by the trainer;
-a sharded checkpoint round trip) and writes each rank-0 result to a file, and a 1-rank spawn reloads the
-sharded checkpoint; the tests compare them with a single process's step on the same whole batch.
+FSDP2 with a LoRA adapter and with the reference scored by the trainer; a data-parallel and a sharded
+checkpoint round trip) and writes each rank-0 result to a file, and a 1-rank spawn reloads the sharded
+checkpoint; the tests compare them with a single process's step on the same whole batch.
 """
 
 from __future__ import annotations
@@ -126,6 +126,19 @@ def _worker(rank: int, world: int, port: int, model_path: str, out: str) -> None
         if rank == 0:
             torch.save({"params": {n: p.detach().clone() for n, p in full.named_parameters()}, "grads": grads,
                         "metrics": metrics, "log_z": tr.log_z}, f"{out}/{kind}-{loss}.pt")
+        if kind == "dp" and loss == "tb":  # rank 0's checkpoint (today's format), read by both ranks: the same
+            ckpt = Path(out) / "dp-ckpt"
+            if rank == 0:
+                ckpt.mkdir(exist_ok=True)
+                checkpoint.save_trainer(ckpt, tr.model, tr.optimizer, tr.scheduler, tr.extra_state())
+            torch.distributed.barrier()
+            tr.step(copy.deepcopy(batch))
+            tr2 = trainer_for(_load(model_path), loss)
+            tr2.load_extra_state(checkpoint.load_trainer(ckpt, tr2.model, tr2.optimizer, tr2.scheduler))
+            tr2.step(copy.deepcopy(batch))
+            torch.save({"continued": {n: p.detach().clone() for n, p in tr.model.named_parameters()},
+                        "resumed": {n: p.detach().clone() for n, p in tr2.model.named_parameters()},
+                        "step": tr2.step_count}, f"{out}/dp-resume-{rank}.pt")  # each rank's own replica
         if kind == "fsdp" and loss == "tb":  # a sharded checkpoint, a second step, and the step again resumed
             ckpt = Path(out) / "ckpt"
             if rank == 0:
@@ -235,6 +248,17 @@ def test_two_ranks_take_the_single_process_step(ranked, single, kind, loss):
     if log_z is not None:  # the learned log Z: the same table after the step (moved: AdamW's first step)
         assert log_z.detach().abs().max() > 0 and torch.allclose(got["log_z"].detach(), log_z.detach(), atol=1e-6)
     assert got["metrics"]["train/reward_mean"] == pytest.approx(metrics["train/reward_mean"])
+
+
+def test_data_parallel_checkpoint_resumes_exactly(ranked):
+    """A data-parallel checkpoint (rank 0 writes it; both ranks read it into fresh trainers) takes the same
+    next step as the trainers that wrote it, on both ranks: bit for bit."""
+    continued = torch.load(ranked / "dp-resume-0.pt")["continued"]
+    for rank in (0, 1):
+        got = torch.load(ranked / f"dp-resume-{rank}.pt")
+        assert got["step"] == 2
+        for name, p in continued.items():
+            assert torch.equal(p, got["resumed"][name]), (rank, name)
 
 
 def test_sharded_checkpoint_resumes_exactly(ranked):
