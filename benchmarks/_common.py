@@ -118,14 +118,24 @@ def setup_id(config: str, steps: int, eval_size: int, extra: dict) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
-def add_study_options(p, out: str) -> None:
-    """The options every resumable study takes: ``--set``, ``--out`` (default ``out``), ``--resume`` and
-    ``--report-only``."""
+def study_parser(doc: str, config: str, seeds: list[int], out: str):
+    """The parser every resumable study starts from (``offpolicy.py``, ``known_optimum.py``,
+    ``recipe_sweep.py``): the description (``doc``'s first paragraph), ``--config`` (default ``config``),
+    ``--steps``, ``--seeds`` (default ``seeds``), ``--set``, ``--out`` (default ``out``), ``--resume`` and
+    ``--report-only``; the study adds its own options."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                epilog="See the module docstring for the design and full commands.")
+    p.add_argument("--config", default=config, help="base config shared by every cell")
+    p.add_argument("--steps", type=int, default=None, help="trainer steps per cell; default: the config's")
+    p.add_argument("--seeds", type=int, nargs="+", default=seeds, help="paired run.seed values")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every cell, repeatable (e.g. model.num_hidden_layers=2)")
     p.add_argument("--out", default=out, help="results folder")
     p.add_argument("--resume", action="store_true", help="continue <out>/results.jsonl, skipping finished cells")
-    p.add_argument("--report-only", action="store_true", help="only rebuild table.md and the PNG")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report from results.jsonl")
+    return p
 
 
 def start_study(args, defaults: dict[str, Any]):

@@ -65,7 +65,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, also when loaded by path
 from _common import (
-    add_study_options,
     append_result,
     error_line,
     pyplot,
@@ -74,6 +73,7 @@ from _common import (
     setup_id,
     start_study,
     study_main,
+    study_parser,
 )
 from _stats import mean_ci, paired_difference_ci
 
@@ -351,17 +351,12 @@ def run_study(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="See the module docstring for the design and full commands.")
-    p.add_argument("--config", default="configs/known_optimum.yaml", help="base config shared by every cell")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps per cell; default: the config's")
-    p.add_argument("--seeds", type=int, nargs="+", default=list(range(10)), help="paired run.seed values")
+    p = study_parser(__doc__, "configs/known_optimum.yaml", list(range(10)), "benchmarks/results/known_optimum")
     p.add_argument("--arms", nargs="*", default=list(MAIN_ARMS), choices=list(ARMS),
                    help="main arms (none: the flag alone, e.g. to run knob arms only)")
     p.add_argument("--knob-arms", nargs="*", default=list(KNOB_ARMS), choices=list(ARMS),
                    help=f"TB knob arms, run at {' and '.join(KNOB_SETTINGS)} only (none: the flag alone)")
     p.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), help="settings")
-    add_study_options(p, "benchmarks/results/known_optimum")
     return p
 
 

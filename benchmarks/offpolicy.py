@@ -64,7 +64,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, also when loaded by path
 from _common import (
-    add_study_options,
     append_result,
     error_line,
     pyplot,
@@ -73,6 +72,7 @@ from _common import (
     setup_id,
     start_study,
     study_main,
+    study_parser,
 )
 from _stats import mean_ci, paired_difference_ci
 
@@ -387,11 +387,7 @@ def run_study(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="See the module docstring for the design and full commands.")
-    p.add_argument("--config", default="configs/quickstart.yaml", help="base config shared by every cell")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps per cell; default: the config's")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="paired run.seed values")
+    p = study_parser(__doc__, "configs/quickstart.yaml", [0, 1, 2], "benchmarks/results/offpolicy")
     p.add_argument("--arms", nargs="+", default=list(MAIN_ARMS), choices=list(ARMS), help="main arms")
     p.add_argument("--mechanism-arms", nargs="*", default=list(MECHANISM_ARMS), choices=list(ARMS),
                    help="arms run at the smallest and largest lag only (none: the flag alone)")
@@ -399,7 +395,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-cell", action=argparse.BooleanOptionalAction, default=True,
                    help=f"also run the main arms at sync period k = {SYNC_CELL_K}, lag 0")
     p.add_argument("--eval-size", type=int, default=None, help="held-out eval problems; default: the config's")
-    add_study_options(p, "benchmarks/results/offpolicy")
     return p
 
 

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, also when loaded by path
-from _common import add_study_options, append_result, error_line, read_results, setup_id, start_study, study_main
+from _common import append_result, error_line, read_results, setup_id, start_study, study_main, study_parser
 from _stats import mean_ci, paired_difference_ci
 
 BETAS = (0.01, 0.02, 0.05, 0.1)
@@ -271,15 +271,10 @@ def run_study(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog="See the module docstring for the design and full commands.")
-    p.add_argument("--config", default="configs/quickstart.yaml", help="base config shared by every cell")
-    p.add_argument("--steps", type=int, default=None, help="trainer steps per cell; default: the config's")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="paired run.seed values")
+    p = study_parser(__doc__, "configs/quickstart.yaml", [0, 1], "benchmarks/results/recipe_sweep")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms")
     p.add_argument("--sync-periods", type=int, nargs="+", default=None,
                    help="sync periods k; default: 1 and the config's")
-    add_study_options(p, "benchmarks/results/recipe_sweep")
     return p
 
 
