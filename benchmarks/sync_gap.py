@@ -14,7 +14,10 @@ responses of the first batch, scored by the trainer at temperature 1) is scored 
   engine: still the initial policy after t steps);
 
 and each gap is the searchers' formula (``Searcher.check_sync``): mean |engine - trainer| log-prob over the
-probe's tokens, nats per token. ``fresh`` is the step's ``train/fresh_behaviour_gap`` (behaviour log-probs of
+probe's tokens, nats per token. From step 1 on, how far each engine's log-probs moved since the previous
+publication against the trainer's (``tba.searcher.engine_moved``) goes beside it (``NAME_moved``), and the
+trainer's own move (``trainer_moved``, RMS nats per token).
+``fresh`` is the step's ``train/fresh_behaviour_gap`` (behaviour log-probs of
 the staleness-0 batch against the trainer's, at the sampling temperature). ``model.dtype float32`` makes every
 side float32 (the control).
 
@@ -33,11 +36,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import parse_sets, quiet_env, warnings_only_logging, write_json
 
 
-def probe_gap(engine, probe) -> float:
-    """Mean |engine - trainer| log-prob over the probe's tokens (``Searcher.check_sync``'s gap)."""
+def probe_check(name: str, engine, probe, previous: dict) -> dict:
+    """``Searcher.check_sync``'s two quantities for one engine: the gap (mean |engine - trainer| log-prob over
+    the probe's tokens) and, against ``previous[name]`` (the engine's and the trainer's log-probs at the last
+    publication, updated here), how far the engine moved against the trainer."""
+    from tba.searcher import engine_moved
+
     scored = engine.score(probe.prompt_ids, probe.response_ids, probe.temperature)
     diffs = [abs(a - b) for mine, theirs in zip(scored, probe.logprobs) for a, b in zip(mine, theirs)]
-    return sum(diffs) / len(diffs)
+    out = {name: sum(diffs) / len(diffs)}
+    if name in previous:
+        moved = engine_moved(previous[name][0], scored, previous[name][1], probe.logprobs)
+        if moved is not None:
+            out[f"{name}_moved"] = moved
+        if name == "hf_sync":  # the trainer's move since the last publication (RMS, nats per token)
+            d = [b - a for t0, t1 in zip(previous[name][1], probe.logprobs) for a, b in zip(t0, t1)]
+            out["trainer_moved"] = (sum(x * x for x in d) / len(d)) ** 0.5
+    previous[name] = (scored, probe.logprobs)
+    return out
 
 
 def measure(config: str, layers: int, dtype: str, steps: int, seed: int, vllm: bool, extra: dict) -> list[dict]:
@@ -66,7 +82,7 @@ def measure(config: str, layers: int, dtype: str, steps: int, seed: int, vllm: b
         for name in ("vllm_sync", "vllm_stale"):
             engines[name] = build_engine(vcfg, path, searcher.tokenizer, seed, searcher.task, searcher.problem_ids)
     b, k = cfg.trainer.prompts_per_step, cfg.trainer.group_size
-    rows = []
+    rows, previous = [], {}
     try:
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -76,20 +92,24 @@ def measure(config: str, layers: int, dtype: str, steps: int, seed: int, vllm: b
             if trainer.probe_tokens is None:  # step 0: every engine holds the trainer's weights
                 trainer.probe_tokens = pick_probe(batch)
                 probe = trainer.probe()
-                rows.append({"layers": layers, "dtype": dtype, "seed": seed, "step": 0, "lr": 0.0,
-                             "probe_tokens": sum(len(r) for r in probe.response_ids),
-                             **{name: probe_gap(e, probe) for name, e in [("hf_sync", searcher.engine),
-                                                                          *engines.items()] if "sync" in name}})
-                print(rows[-1], flush=True)
+                row = {"layers": layers, "dtype": dtype, "seed": seed, "step": 0, "lr": 0.0,
+                       "probe_tokens": sum(len(r) for r in probe.response_ids)}
+                for name, e in [("hf_sync", searcher.engine), *engines.items()]:  # stale ones: their baseline
+                    gaps = probe_check(name, e, probe, previous)
+                    row.update(gaps if "sync" in name else {})
+                print(row, flush=True)
+                rows.append(row)
             m = trainer.step(batch)
             packed = trainer.publish_weights(gen)
             searcher.load_weights(trainer.step_count, packed)  # runs the searcher's own sync check
             row = {"layers": layers, "dtype": dtype, "seed": seed, "step": trainer.step_count, "lr": m["train/lr"],
                    "probe_tokens": sum(len(r) for r in packed.probe.response_ids),
-                   "fresh": m.get("train/fresh_behaviour_gap"), "hf_sync": searcher.sync_gap}
+                   "fresh": m.get("train/fresh_behaviour_gap")}
             if "vllm_sync" in engines:
                 engines["vllm_sync"].load_weights(packed)
-            row.update({name: probe_gap(e, packed.probe) for name, e in engines.items()})
+            for name, e in [("hf_sync", searcher.engine), *engines.items()]:
+                row.update(probe_check(name, e, packed.probe, previous))
+            assert abs(row["hf_sync"] - searcher.sync_gap) < 1e-9, "the searcher's own check scored the same"
             row["s"] = round(time.perf_counter() - t0, 1)
             print({key: round(v, 5) if isinstance(v, float) else v for key, v in row.items()}, flush=True)
             rows.append(row)
@@ -101,7 +121,11 @@ def measure(config: str, layers: int, dtype: str, steps: int, seed: int, vllm: b
 
 def summarise(rows: list[dict]) -> list[dict]:
     """Per (layers, dtype): the correct-sync gaps (largest and mean over seeds, steps and both engines, step 0
-    included), the staleness-0 gaps, and the smallest stale gap at each step (over seeds and engines)."""
+    included), the staleness-0 gaps, the smallest stale gap at each step (over seeds and engines), and the
+    engine's move against the trainer's: its range on correct syncs and on stale engines, and how many of each
+    are below ``tba.searcher.MOVED_MIN`` (a warning)."""
+    from tba.searcher import MOVED_MIN
+
     out = []
     for key in sorted({(r["layers"], r["dtype"]) for r in rows}, key=lambda x: (-x[0], x[1])):
         cell = [r for r in rows if (r["layers"], r["dtype"]) == key]
@@ -116,6 +140,11 @@ def summarise(rows: list[dict]) -> list[dict]:
             if vals:
                 stale[r["step"]] = min(vals + [stale.get(r["step"], float("inf"))])
         summary["stale_min_by_step"] = stale
+        for kind, names in (("sync", ("hf_sync", "vllm_sync")), ("stale", ("hf_stale", "vllm_stale"))):
+            moved = [r[f"{n}_moved"] for r in cell for n in names if f"{n}_moved" in r]
+            if moved:
+                summary[f"{kind}_moved_range"] = [min(moved), max(moved)]
+                summary[f"{kind}_warned"] = f"{sum(m < MOVED_MIN for m in moved)}/{len(moved)}"
         out.append(summary)
     return out
 

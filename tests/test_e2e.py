@@ -12,6 +12,7 @@ from conftest import patched_env
 
 from tba.config import SearcherConfig
 from tba.logger import read_metrics
+from tba.searcher import MOVED_MIN
 
 TINY = [
     "--model.num_hidden_layers", "2", "--task.train_size", "40", "--task.eval_size", "8",
@@ -51,6 +52,8 @@ def test_async_run_end_to_end(tmp_path, model_path, cli):
     # the published weights reached the searchers' engine: the sync check's gap is bf16 precision, no warning
     gaps = [rec["sync/logprob_gap"] for rec in records if "sync/logprob_gap" in rec]
     assert gaps and max(gaps) < SearcherConfig().sync_gap_bound, gaps
+    moved = [rec["sync/engine_moved"] for rec in records if "sync/engine_moved" in rec]  # from the 2nd check on
+    assert moved and min(moved) > MOVED_MIN, moved
     assert records[-1]["sync/gap_warnings"] == 0
     assert (out / "learning_curve.png").stat().st_size > 1000
     assert any((out / "tb").iterdir())

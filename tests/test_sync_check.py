@@ -17,7 +17,7 @@ from tba.config import Config, LoraSettings, LossConfig, SearcherConfig, TaskCon
 from tba.engines.base import Engine
 from tba.engines.hf import HFEngine
 from tba.models import load_causal_lm
-from tba.searcher import Searcher
+from tba.searcher import TRAINER_MOVE_MIN, Searcher, engine_moved
 from tba.tasks import build_task
 from tba.trainer import PROBE_SAMPLES, Trainer
 from tba.types import Batch
@@ -99,14 +99,64 @@ def test_sync_check_passes_and_fires_when_the_engine_keeps_old_weights(model_pat
     searcher.load_weights(3, trainer.publish_weights())
     gap = searcher.sync_gap
     assert gap > BOUND, gap
+    assert searcher.sync_moved == 0  # the engine's log-probs did not move at all
     assert _warnings(caplog) == [
         f"searcher 0: policy version 3: the engine's log-probs differ from the trainer's by {gap:.3f} nats per "
         f"token on the probe responses (searcher.sync_gap_bound {BOUND:g}): the published weights may not have "
-        "reached the engine"]
+        "reached the engine",
+        "searcher 0: policy version 3: since version 1 the engine's log-probs of the probe responses moved 0.00x as "
+        "far as the trainer's (a fresh engine about 1, one that kept its weights 0): the published weights may not "
+        "have reached the engine"]
     _, metrics = searcher.step()
-    assert metrics["sync/logprob_gap"] == gap and metrics["sync/gap_warnings"] == 1
+    assert metrics["sync/logprob_gap"] == gap and metrics["sync/engine_moved"] == 0
+    assert metrics["sync/gap_warnings"] == 2
     _, metrics = searcher.step()  # reported once: the next batch had no new check
-    assert "sync/logprob_gap" not in metrics and metrics["sync/gap_warnings"] == 0
+    assert "sync/logprob_gap" not in metrics and "sync/engine_moved" not in metrics
+    assert metrics["sync/gap_warnings"] == 0
+
+
+def test_engine_moved_worked_by_hand():
+    """Trainer change d = (1, 2), engine change g = (1, 1): sqrt((1 + 1) / (1 + 4)) = sqrt(0.4). A second
+    response the engine scored only a prefix of counts its scored token only: d = (1, 2, 2), g = (1, 1, 3),
+    sqrt(11 / 9)."""
+    assert engine_moved([[-1.0, -2.0]], [[0.0, -1.0]], [[-1.0, -2.0]], [[0.0, 0.0]]) == pytest.approx(0.4 ** 0.5)
+    assert engine_moved([[-1.0, -2.0], [-4.0]], [[0.0, -1.0], [-1.0]], [[-1.0, -2.0], [-3.0, -4.0]],
+                        [[0.0, 0.0], [-1.0, -9.0]]) == pytest.approx((11 / 9) ** 0.5)
+    assert engine_moved([[-1.0, -2.0]], [[-1.0, -2.0]], [[-1.0, -2.0]], [[0.0, 0.0]]) == 0.0  # unchanged engine
+    assert engine_moved([[-1.0, -2.0]], [[0.0, 0.0]], [[-1.0, -2.0]], [[0.0, 0.0]]) == 1.0  # moved with it
+    assert engine_moved([[-1.0, -2.0]], [[0.0, 0.0]], [[-1.0, -2.0]], [[-1.0, -2.0]]) is None  # trainer still
+    assert engine_moved([[]], [[]], [[-1.0]], [[0.0]]) is None  # nothing scored
+    small = TRAINER_MOVE_MIN / 2  # the trainer moved less than bf16 rounding may show: not judged
+    assert engine_moved([[-1.0, -2.0]], [[-1.0, -2.0]], [[-1.0, -2.0]], [[-1.0 + small, -2.0 - small]]) is None
+
+
+def test_sync_check_sees_a_stale_adapter_inside_bf16_precision(model_path, tokenizer, caplog, monkeypatch):
+    """The case the gap cannot see (benchmarks/README.md, "Sync check"): a young LoRA adapter at a small lr
+    moves the policy less than a bf16 engine's precision, so an engine that skipped its load is within the
+    gap bound. The engine's move still warns, because a skipped load leaves the engine's log-probs exactly
+    where they were; correct bf16 loads do not warn."""
+    torch.manual_seed(0)
+    policy = add_adapter(load_causal_lm(model_path, torch.float32, 2), LoraSettings(r=4))
+    engine = HFEngine(add_adapter(load_causal_lm(model_path, torch.bfloat16, 2), LoraSettings(r=4)).eval(),
+                      tokenizer)
+    searcher = _searcher(engine, load_causal_lm(model_path, torch.float32, 2), tokenizer)
+    trainer = Trainer(policy, tokenizer.pad_token_id, TrainerConfig(lr=3e-4, lr_schedule="constant"), LossConfig(),
+                      temperature=0.7)
+    batch = Batch(searcher.step()[0], K)
+    caplog.set_level(logging.WARNING, logger="tba.searcher")
+    for version in (1, 2, 3):
+        trainer.step(batch)
+        searcher.load_weights(version, trainer.publish_weights(torch.bfloat16))
+        assert searcher.sync_gap < BOUND
+    assert not _warnings(caplog) and searcher.sync_moved > 0.5  # correct loads
+    trainer.step(batch)
+    monkeypatch.setattr(searcher.engine, "load_weights", lambda packed: None)  # the load is skipped
+    searcher.load_weights(4, trainer.publish_weights(torch.bfloat16))
+    assert searcher.sync_gap < BOUND, "the gap alone would catch this stale adapter: the case is not the hard one"
+    assert searcher.sync_moved == 0
+    assert [w.split(" (")[0] for w in _warnings(caplog)] == [
+        "searcher 0: policy version 4: since version 3 the engine's log-probs of the probe responses moved 0.00x as "
+        "far as the trainer's"]
 
 
 def test_sync_check_that_cannot_score_warns_and_reports_no_gap(tiny_model, model_path, tokenizer, caplog):

@@ -249,7 +249,8 @@ def test_score_equals_sampled_and_transformers_logprobs(engine, hf_model, prompt
 def test_sync_check_on_a_vllm_searcher(engine, hf_model, model_dir, tokenizer, caplog):
     """The searcher's sync check with a vLLM engine: after ``load_weights`` of the trainer's publication the
     probe gap is float noise (float32, < 1e-3); with the engine left on those weights while the trainer moves
-    on, the gap is above the default bound and a warning names the searcher and version."""
+    on, the gap is above the default bound and a warning names the searcher and version, and so does the
+    engine's move since the previous check (0)."""
     from tba.config import Config, LossConfig, SearcherConfig, TaskConfig, TrainerConfig
     from tba.searcher import Searcher
     from tba.tasks import build_task
@@ -275,8 +276,10 @@ def test_sync_check_on_a_vllm_searcher(engine, hf_model, model_dir, tokenizer, c
             trainer.step(batch)
         assert searcher.check_sync(3, trainer.probe()) > cfg.sync_gap_bound  # the engine still has version 1
         assert "searcher 0: policy version 3: the engine's log-probs differ" in caplog.text
+        # and it stood still since version 1: vLLM scores the same weights to the same log-probs
+        assert searcher.sync_moved == 0 and "since version 1 the engine's log-probs of the probe" in caplog.text
         _, metrics = searcher.step()
-        assert metrics["sync/gap_warnings"] == 1 and metrics["sync/logprob_gap"] > cfg.sync_gap_bound
+        assert metrics["sync/gap_warnings"] == 2 and metrics["sync/logprob_gap"] > cfg.sync_gap_bound
     finally:
         engine.load_weights(pack_weights(hf_model, torch.float32))
 

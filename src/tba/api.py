@@ -40,7 +40,8 @@ class RunSummary(TypedDict, total=False):
     searcher_restarts: int  #: searchers restarted after a crash
     searcher_nodes: list[str]  #: the Ray nodes the searchers ran on
     reward_failures: int  #: reward calls that raised, timed out or returned a non-number
-    sync_gap_warnings: int  #: sync checks whose log-prob gap exceeded searcher.sync_gap_bound (0 = weights arrived)
+    sync_gap_warnings: int  #: sync checks that warned: log-prob gap over searcher.sync_gap_bound, or an engine that
+    #: did not move with the trainer (0 = the weights arrived)
     staleness_mean: float  #: mean over steps of (trainer step - policy version of the trained samples)
     staleness_max: float  #: its largest value
     trainer_idle_frac: float  #: share of the training time the trainer waited for samples

@@ -198,7 +198,7 @@ def print_summary(s: dict) -> None:
         f"searchers: newest policy version received {s['searcher_max_version']}, restarts {s['searcher_restarts']}, "
         f"reward failures {s['reward_failures']}"
         + (f"\nwarning: {s['sync_gap_warnings']} sync checks found a searcher engine's log-probs far from the "
-           "trainer's (searcher.sync_gap_bound): published weights may not have reached it; see the log"
+           "trainer's or not moving with them: published weights may not have reached it; see the log"
            if s.get("sync_gap_warnings") else ""),
         f"run directory: {s['run_dir']}" + (f" (library logs: {Path(s['library_log']).name}, each warning shown "
                                             "above once)" if Path(s.get("library_log", "")).is_file() else ""),

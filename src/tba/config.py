@@ -162,7 +162,9 @@ class SearcherConfig(_Section):
     sync_gap_bound: Optional[float] = Field(
         0.08, gt=0, description="Sync check: after loading published weights a searcher scores the trainer's probe "
         "responses with its engine; a mean |engine - trainer| log-prob gap (sync/logprob_gap) above this many nats "
-        "per token logs a warning and counts in sync/gap_warnings. None = log the gap, never warn. Measured on "
+        "per token logs a warning and counts in sync/gap_warnings, as does an engine whose log-probs moved under "
+        "0.1x as far as the trainer's since the previous check (sync/engine_moved). None = log both, never warn. "
+        "Measured on "
         "SmolLM2-135M (benchmarks/README.md, 'Sync check'): a correct sync leaves at most 0.046 in bf16 over 8 steps "
         "and 0.061 by step 59 of a quickstart run (1e-5 in float32); an engine left on the initial weights is 0.084 "
         "or more away by step 2 in bf16, 0.091 by step 4, 0.18 by step 8.",

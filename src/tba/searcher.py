@@ -22,6 +22,16 @@ from tba.types import PackedWeights, Probe, Sample
 
 log = logging.getLogger(__name__)
 
+#: the sync check warns when the engine's log-probs moved less than this share of the trainer's since the
+#: previous check. Measured (benchmarks/README.md, "Sync check"): correct bf16 syncs moved 0.42-2.7x as far as
+#: the trainer (precision noise adds to the move; 72 checks, full weights and LoRA), an engine that kept its
+#: weights exactly 0; 0.1 leaves the correct side a 4x margin.
+MOVED_MIN = 0.1
+#: ... judged only when the trainer's log-probs moved at least this much (RMS, nats per token): a smaller change
+#: can vanish whole in the engine's bf16 rounding of the weights (a linear decay's last updates, ~lr/T each), so a
+#: correct engine would not move either. Measured trainer moves per publication: 0.02 or more (young LoRA adapter)
+TRAINER_MOVE_MIN = 1e-3
+
 
 class Searcher:
     """Generates and scores responses for its own shard of the training prompts.
@@ -66,6 +76,9 @@ class Searcher:
         self.last_reward_error: str | None = None  # the newest failure's reason, for the run's error line
         self.sync_gap: float | None = None  # the newest sync check's gap, reported with the next batch
         self._gap_warnings = 0  # sync checks over searcher.sync_gap_bound since the last batch
+        self.sync_moved: float | None = None  # the newest check's engine_moved, reported with the next batch
+        # (version, engine log-probs, trainer log-probs) of the previous sync check: what the next one compares with
+        self._last_check: tuple[int, list[list[float]], list[list[float]]] | None = None
 
     def load_weights(self, version: int, weights: PackedWeights) -> None:
         """Load published policy weights (:meth:`Trainer.publish_weights`) into the engine, in place; samples
@@ -83,11 +96,18 @@ class Searcher:
 
     def check_sync(self, version: int, probe: Probe) -> float | None:
         """The sync check: score the trainer's probe responses with the engine and compare with the trainer's
-        log-probs of the same weights. The gap, mean |engine - trainer| log-prob over the probe's tokens
-        (nats per token), goes into the next batch's metrics as ``sync/logprob_gap``; above
-        ``searcher.sync_gap_bound`` it is a warning line and counts in ``sync/gap_warnings``. A correct sync
-        leaves only precision in it (bf16 against the trainer's autocast); weights that never reached the
-        engine leave the policy's change since (measured: benchmarks/README.md, "Sync check").
+        log-probs of the same weights (docs/architecture.md, "The sync check"). Two tests, each a warning line
+        counted in ``sync/gap_warnings``; ``searcher.sync_gap_bound`` None logs both and warns on neither:
+
+        - the gap, mean |engine - trainer| log-prob over the probe's tokens (nats per token,
+          ``sync/logprob_gap``), above ``searcher.sync_gap_bound``. A correct sync leaves only precision in it
+          (bf16 against the trainer's autocast); weights that never reached the engine leave the policy's
+          change since (measured: benchmarks/README.md, "Sync check");
+        - from the second check on, how far the engine's log-probs moved since the previous check against how
+          far the trainer's did (:func:`engine_moved`, ``sync/engine_moved``: about 1 fresh, 0 unchanged), below
+          :data:`MOVED_MIN`. A load that does not arrive leaves the engine's log-probs exactly where they were,
+          so this needs no precision bound and also sees weights that moved less than bf16 precision (a young
+          LoRA adapter) fail to arrive.
 
         Returns:
             the gap, or None when the engine could not score the probe (logged as a warning).
@@ -111,6 +131,15 @@ class Searcher:
             log.warning("searcher %d: policy version %d: the engine's log-probs differ from the trainer's by %.3f "
                         "nats per token on the probe responses (searcher.sync_gap_bound %g): the published weights "
                         "may not have reached the engine", self.searcher_id, version, gap, bound)
+        last, self._last_check = self._last_check, (version, scored, probe.logprobs)
+        if last is not None and last[0] != version:
+            self.sync_moved = engine_moved(last[1], scored, last[2], probe.logprobs)
+            if bound is not None and self.sync_moved is not None and self.sync_moved < MOVED_MIN:
+                self._gap_warnings += 1
+                log.warning("searcher %d: policy version %d: since version %d the engine's log-probs of the probe "
+                            "responses moved %.2fx as far as the trainer's (a fresh engine about 1, one that kept its "
+                            "weights 0): the published weights may not have reached the engine", self.searcher_id,
+                            version, last[0], self.sync_moved)
         return gap
 
     def next_prompts(self) -> list[int]:
@@ -177,7 +206,9 @@ class Searcher:
         }
         if self.sync_gap is not None:
             metrics["sync/logprob_gap"] = self.sync_gap
-        self.sync_gap, self._gap_warnings = None, 0
+        if self.sync_moved is not None:
+            metrics["sync/engine_moved"] = self.sync_moved
+        self.sync_gap, self.sync_moved, self._gap_warnings = None, None, 0
         return samples, metrics
 
     def _score(self, texts: list[str], problems: list) -> list[tuple[float | None, str | None]]:
@@ -269,3 +300,27 @@ def check_reward(value: Any) -> tuple[float | None, str | None]:
     except (TypeError, ValueError):
         return None, f"reward is not a number: {value!r}"
     return (value, None) if isfinite(value) else (None, f"non-finite reward {value}")
+
+
+def engine_moved(engine_before: list[list[float]], engine_after: list[list[float]],
+                 trainer_before: list[list[float]], trainer_after: list[list[float]]) -> float | None:
+    """How far the engine's log-probs of the probe responses moved between two sync checks, against how far
+    the trainer's moved: sqrt(sum(g^2) / sum(d^2)) over the D tokens both sides scored at both checks, with g
+    the engine's per-token change and d the trainer's (nats). About 1 when the engine took the new weights
+    (precision noise adds to it), exactly 0 when its log-probs did not move.
+
+    Args:
+        engine_before, engine_after: the engine's per-token log-probs of the probe responses at the previous
+            and at this check (a list per response, possibly a prefix: ``Engine.score``).
+        trainer_before, trainer_after: the trainer's, at the same two checks.
+
+    Returns:
+        the ratio, or None when no token was scored at both checks or the trainer's log-probs moved less than
+        :data:`TRAINER_MOVE_MIN` (RMS): too little for the engine's precision to be sure to show it.
+    """
+    pairs = [(ea - eb, ta - tb) for e0, e1, t0, t1 in zip(engine_before, engine_after, trainer_before, trainer_after)
+             for eb, ea, tb, ta in zip(e0, e1, t0, t1)]
+    dd = sum(d * d for _, d in pairs)
+    if not pairs or not (dd / len(pairs)) ** 0.5 >= TRAINER_MOVE_MIN:
+        return None
+    return (sum(g * g for g, _ in pairs) / dd) ** 0.5
