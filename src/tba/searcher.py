@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 #: the sync check warns when the engine's log-probs moved less than this share of the trainer's since the
 #: previous check. Measured (benchmarks/README.md, "Sync check"): correct bf16 syncs moved 0.42-2.7x as far as
-#: the trainer (precision noise adds to the move; 72 checks, full weights and LoRA), an engine that kept its
+#: the trainer (precision noise adds to the move; 64 checks, full weights and LoRA), an engine that kept its
 #: weights exactly 0; 0.1 leaves the correct side a 4x margin.
 MOVED_MIN = 0.1
 #: ... judged only when the trainer's log-probs moved at least this much (RMS, nats per token): a smaller change
@@ -77,8 +77,8 @@ class Searcher:
         self.sync_gap: float | None = None  # the newest sync check's gap, reported with the next batch
         self._gap_warnings = 0  # sync checks over searcher.sync_gap_bound since the last batch
         self.sync_moved: float | None = None  # the newest check's engine_moved, reported with the next batch
-        # (version, engine log-probs, trainer log-probs) of the previous sync check: what the next one compares with
-        self._last_check: tuple[int, list[list[float]], list[list[float]]] | None = None
+        # (version, probe responses, engine log-probs, trainer log-probs) of the previous sync check, for the next
+        self._last_check: tuple[int, list[list[int]], list[list[float]], list[list[float]]] | None = None
 
     def load_weights(self, version: int, weights: PackedWeights) -> None:
         """Load published policy weights (:meth:`Trainer.publish_weights`) into the engine, in place; samples
@@ -131,9 +131,9 @@ class Searcher:
             log.warning("searcher %d: policy version %d: the engine's log-probs differ from the trainer's by %.3f "
                         "nats per token on the probe responses (searcher.sync_gap_bound %g): the published weights "
                         "may not have reached the engine", self.searcher_id, version, gap, bound)
-        last, self._last_check = self._last_check, (version, scored, probe.logprobs)
-        if last is not None and last[0] != version:
-            self.sync_moved = engine_moved(last[1], scored, last[2], probe.logprobs)
+        last, self._last_check = self._last_check, (version, probe.response_ids, scored, probe.logprobs)
+        if last is not None and last[0] != version and last[1] == probe.response_ids:  # the same responses
+            self.sync_moved = engine_moved(last[2], scored, last[3], probe.logprobs)
             if bound is not None and self.sync_moved is not None and self.sync_moved < MOVED_MIN:
                 self._gap_warnings += 1
                 log.warning("searcher %d: policy version %d: since version %d the engine's log-probs of the probe "
