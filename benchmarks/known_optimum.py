@@ -214,11 +214,11 @@ def format_report(records: list[dict]) -> str:
     starts = {arm: next(iter(c.values())).get("kl_start") for (arm, _), c in cells.items()}
     start = starts.get("tb", next(iter(starts.values())))
     # an arm with its own beta is measured against its own pi*: its distances are to another target
-    own = ", ".join(f"{a} {v:.3f}" for a, v in starts.items() if v is not None and abs(v - start) > 1e-6)
+    own_target = ", ".join(f"{a} {v:.3f}" for a, v in starts.items() if v is not None and abs(v - start) > 1e-6)
     lines = ["# Known-optimum study", "",
              f"Start (the base model): KL(pi_ref || pi*) = {start:.3f} nats"
-             + (f" (arms with their own pi*: {own}; their differences from TB are to another target, compare "
-                "their final KL as a share of their start)" if own else "")
+             + (f" (arms with their own pi*: {own_target}; their differences from TB are to another target, compare "
+                "their final KL as a share of their start)" if own_target else "")
              + ". Final values per cell: mean over seeds [95% t interval] (n seeds).", "",
              "| arm | setting | KL final | KL last 3 evals | TV | E[r] | mode coverage | reuse | staleness | "
              "train s |",
@@ -240,11 +240,11 @@ def format_report(records: list[dict]) -> str:
             continue
         rise = rise_difference(cells, arm, s) if s != "L0" else None
         lines.append(f"| {arm} | {s} | {_ci(paired(cells, (arm, s), ('tb', s)))} | {_ci(rise)} |")
-    own = [s for s in SETTINGS if s != "L0" and ("tb", s) in cells and ("tb", "L0") in cells]
-    if own:  # does staleness itself move TB, whatever the other arms do
+    off_policy = [s for s in SETTINGS if s != "L0" and ("tb", s) in cells and ("tb", "L0") in cells]
+    if off_policy:  # does staleness itself move TB, whatever the other arms do
         lines += ["", "TB's own change from L0 (per seed, paired; positive = farther from pi* than on-policy):", "",
                   "| setting | TB's KL minus its L0 KL |", "|---|---|"]
-        lines += [f"| {s} | {_ci(paired(cells, ('tb', s), ('tb', 'L0')))} |" for s in own]
+        lines += [f"| {s} | {_ci(paired(cells, ('tb', s), ('tb', 'L0')))} |" for s in off_policy]
     return "\n".join(lines) + "\n"
 
 
