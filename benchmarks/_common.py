@@ -7,6 +7,7 @@ test loads a script by its path). Only the standard library is imported at modul
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -98,6 +99,21 @@ def read_results(path: Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+def write_jsonl_gz(path: Path, records: list[dict]) -> None:
+    """``records`` as gzip-compressed JSON lines (no timestamp in the header, so the bytes depend on the
+    records alone and an unchanged curve is an unchanged file in git). Study curves are committed, and
+    compressed they take a sixth of the room: the whole tracked tree must fit the GPU machine's carry."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records).encode())
+
+
+def read_jsonl_gz(path: Path) -> list[dict]:
+    """The records written by :func:`write_jsonl_gz`."""
+    with gzip.open(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def append_result(path: Path, rec: dict) -> None:

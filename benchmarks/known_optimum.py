@@ -27,7 +27,7 @@ per prompt instead of VarGrad's batch estimate) run at ``L0`` and ``frozen``.
 Seeds ``run.seed`` are paired: each arm and setting of a seed shares its searcher's and trainer's seed;
 the model, prompts and modes are the task's (fixed). Cells run seed-major, decisive settings first. Each
 finished cell is appended to ``<out>/results.jsonl`` (fsync) and its curves (every eval and a few training
-keys per step) to ``<out>/curves/<cell>.jsonl``, so ``--resume`` skips finished cells and any later
+keys per step) to ``<out>/curves/<cell>.jsonl.gz``, so ``--resume`` skips finished cells and any later
 analysis can be recomputed. Each record holds the cell's compute (wall and train seconds, CPUs, the load
 average before and after).
 
@@ -68,12 +68,14 @@ from _common import (
     append_result,
     error_line,
     pyplot,
+    read_jsonl_gz,
     read_results,
     save_figure,
     setup_id,
     start_study,
     study_main,
     study_parser,
+    write_jsonl_gz,
 )
 from _stats import mean_ci, paired_difference_ci
 
@@ -281,10 +283,8 @@ def plot(out: Path, records: list[dict]) -> Path | None:
 
 def _curve(out: Path, rec: dict) -> dict[int, float]:
     """step -> exact KL of one cell, from its curve file (step 0: the eval before training)."""
-    path = out / "curves" / f"{cell_name(rec)}.jsonl"
     points = {0: rec["kl_start"]}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in read_jsonl_gz(out / "curves" / f"{cell_name(rec)}.jsonl.gz"):
         if "eval/kl" in r:
             points[r["step"]] = r["eval/kl"]
     points[rec["steps"]] = rec["kl"]
@@ -318,9 +318,7 @@ def run_cell(args, rec: dict, overrides: dict, out: Path) -> dict:
         append_result(out / "results.jsonl", rec)
         return rec
     curve = thin_curve(run_dir / "metrics.jsonl")
-    curve_path = out / "curves" / f"{cell_name(rec)}.jsonl"
-    curve_path.parent.mkdir(parents=True, exist_ok=True)
-    curve_path.write_text("".join(json.dumps(r) + "\n" for r in curve))
+    write_jsonl_gz(out / "curves" / f"{cell_name(rec)}.jsonl.gz", curve)
     after = s["eval_after"]
     rec.update({k: after[k] for k in ("kl", "tv", "gap", "reward", "kl_ref", "mode_coverage", "total_mass")})
     rec.update({"kl_start": s["eval_before"]["kl"], "wall_s": time.monotonic() - t0, "train_wall_s": s["train_wall_s"],
