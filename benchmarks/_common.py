@@ -102,11 +102,11 @@ def read_results(path: Path) -> list[dict]:
 
 
 def write_jsonl_gz(path: Path, records: list[dict]) -> None:
-    """``records`` as gzip-compressed JSON lines (no timestamp in the header, so the bytes depend on the
+    """``records`` as gzip-compressed JSON lines (no time or file name in the header, so the bytes depend on the
     records alone and an unchanged curve is an unchanged file in git). Study curves are committed, and
     compressed they take a sixth of the room: the whole tracked tree must fit the GPU machine's carry."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+    with open(path, "wb") as raw, gzip.GzipFile(filename="", fileobj=raw, mode="wb", mtime=0) as f:
         f.write("".join(json.dumps(r) + "\n" for r in records).encode())
 
 
