@@ -12,8 +12,9 @@ common = load_benchmark("_common")
 
 
 def test_curves_round_trip_and_their_bytes_depend_on_the_records_alone(tmp_path):
-    """What is written reads back as it was, and the same records written a second later are the same bytes
-    (gzip's header would otherwise hold the time, and every rewritten curve would be a change in git)."""
+    """What is written reads back as it was, and the same records written a second later to another file name
+    are the same bytes (gzip's header would otherwise hold the time and the name, and every rewritten curve
+    would be a change in git)."""
     records = [{"step": 1, "eval/kl": 2.156, "train/clipped": 0.0}, {"step": 2, "loss/tb": -0.5}]
     a, b = tmp_path / "a.jsonl.gz", tmp_path / "sub" / "b.jsonl.gz"
     common.write_jsonl_gz(a, records)
