@@ -25,8 +25,9 @@ Statistics (``_stats``): per arm and k, the mean of each score over seeds with a
 gain over the base with its interval, the smallest gain over seeds, how many seeds ended above the base, and
 the standard deviation over seeds; per arm, the paired difference of its last-3 score from ``shipped``'s at
 the same k. Every finished cell is appended to ``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl``
-(every step and every eval) copied to ``<out>/curves/<cell>.jsonl``, so ``--resume`` skips finished cells and
-a later analysis can be recomputed. Each record holds the cell's compute and the load average around it.
+(every step and every eval) kept as ``<out>/curves/<cell>.jsonl.gz`` (``_common.write_jsonl_gz``), so
+``--resume`` skips finished cells and a later analysis can be recomputed. Each record holds the cell's compute
+and the load average around it.
 
 Commands (repository root, venv active)
 ---------------------------------------
@@ -54,7 +55,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, also when loaded by path
-from _common import append_result, error_line, read_results, setup_id, start_study, study_main, study_parser
+from _common import (
+    append_result,
+    error_line,
+    read_results,
+    setup_id,
+    start_study,
+    study_main,
+    study_parser,
+    write_jsonl_gz,
+)
 from _stats import mean_ci, paired_difference_ci
 
 BETAS = (0.01, 0.02, 0.05, 0.1)
@@ -221,9 +231,8 @@ def run_cell(args, rec: dict, overrides: dict, out: Path) -> dict:
     run_dir = Path(rec["run_dir"])
     after = s.get("eval_after", {})
     points = eval_points(run_dir / "metrics.jsonl", after, s["trainer_steps"])
-    curve = out / "curves" / f"{cell_name(rec)}.jsonl"
-    curve.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(run_dir / "metrics.jsonl", curve)
+    curve = out / "curves" / f"{cell_name(rec)}.jsonl.gz"
+    write_jsonl_gz(curve, read_results(run_dir / "metrics.jsonl"))
     rec.update({"accuracy": after.get("accuracy"), "stderr": after.get("stderr"), "n_eval": after.get("n"),
                 "last_mean": last_mean(points), "evals": points, "train_wall_s": s["train_wall_s"],
                 "wall_s": time.monotonic() - t0, "trainer_steps": s["trainer_steps"], "curve": str(curve),
