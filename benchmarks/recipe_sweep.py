@@ -24,10 +24,11 @@ the same number in every cell). Screen on 2 seeds, then confirm the survivors on
 Statistics (``_stats``): per arm and k, the mean of each score over seeds with a 95% Student-t interval, the
 gain over the base with its interval, the smallest gain over seeds, how many seeds ended above the base, and
 the standard deviation over seeds; per arm, the paired difference of its last-3 score from ``shipped``'s at
-the same k. Every finished cell is appended to ``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl``
-(every step and every eval) kept as ``<out>/curves/<cell>.jsonl.gz`` (``_common.write_jsonl_gz``), so
-``--resume`` skips finished cells and a later analysis can be recomputed. Each record holds the cell's compute
-and the load average around it.
+the same k; per arm and k with at least 5 seeds, issue 25's bar for shipping (:func:`shipping_bar`). Every
+finished cell is appended to ``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl`` (every step and every
+eval) kept as ``<out>/curves/<cell>.jsonl.gz`` (``_common.write_jsonl_gz``), so ``--resume`` skips finished
+cells and a later analysis can be recomputed. Each record holds the cell's compute and the load average
+around it.
 
 Commands (repository root, venv active)
 ---------------------------------------
@@ -81,6 +82,8 @@ ARMS: dict[str, dict[str, Any]] = {
 BENCH_DEFAULTS = {"trainer.save_final": False, "run.tensorboard": False, "run.checkpoint_every": 0,
                   "run.eval_every": 10}
 LAST = 3  # evals averaged in a cell's last-evals score
+#: issue 25's bar for a shipped recipe: measured on at least this many seeds, its spread against this arm's
+MIN_SEEDS, SPREAD_ARM = 5, "const-0.05"
 
 
 def plan_cells(seeds: list[int], arms: list[str], sync_periods: list[int]) -> list[dict]:
@@ -172,6 +175,24 @@ def versus_shipped(records: list[dict]) -> list[dict]:
     return out
 
 
+def shipping_bar(records: list[dict]) -> list[dict]:
+    """Issue 25's bar for a recipe to ship, per arm and k measured on at least :data:`MIN_SEEDS` seeds: every
+    seed's final eval above the base (``all_above``), the 95% lower bound of the mean gain above 0
+    (``low_above_0``), and the spread over seeds (sample sd of the final eval) no larger than
+    :data:`SPREAD_ARM`'s at the same k (``spread_ok``; None while that arm has fewer seeds). ``meets``: all
+    three hold."""
+    rows = [r for r in aggregate(records) if len(r["seeds"]) >= MIN_SEEDS and r["gain"] is not None]
+    ref_sd = {r["k"]: r["sd"] for r in rows if r["arm"] == SPREAD_ARM}
+    out = []
+    for r in rows:
+        spread_ok = r["sd"] <= ref_sd[r["k"]] if r["k"] in ref_sd else None
+        checks = {"all_above": r["above"] == len(r["seeds"]), "low_above_0": r["gain"]["low"] > 0,
+                  "spread_ok": spread_ok}
+        out.append({"arm": r["arm"], "k": r["k"], "seeds": len(r["seeds"]), **checks,
+                    "meets": all(v is True for v in checks.values())})
+    return out
+
+
 def _ci(x: dict | None) -> str:
     if x is None:
         return "n/a"
@@ -196,6 +217,16 @@ def format_report(records: list[dict]) -> str:
         lines += ["", f"Paired by seed: each arm's last-{LAST}-evals score minus shipped's at the same k.", "",
                   "| arm | k | minus shipped [95% CI] |", "|---|---|---|"]
         lines += [f"| {v['arm']} | {v['k']} | {_ci(v['diff'])} |" for v in vs]
+    bar = shipping_bar(records)
+    if bar:
+        yes = {True: "yes", False: "no", None: "n/a"}
+        lines += ["", f"The bar to ship (issue 25), arms with at least {MIN_SEEDS} seeds: every seed ends above the "
+                  f"base, the gain's 95% lower bound is above 0, the spread over seeds is no larger than "
+                  f"{SPREAD_ARM}'s.", "",
+                  "| arm | k | seeds | every seed above base | gain's lower bound > 0 | sd <= "
+                  f"{SPREAD_ARM}'s | meets the bar |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {b['arm']} | {b['k']} | {b['seeds']} | {yes[b['all_above']]} | {yes[b['low_above_0']]} | "
+                  f"{yes[b['spread_ok']]} | {yes[b['meets']]} |" for b in bar]
     notes = ["Accuracy: greedy, on the same held-out problems in every cell; intervals are 95% Student-t over "
              "paired seeds."]
     if base is not None:

@@ -87,3 +87,29 @@ def test_report_names_the_failed_cell_and_the_base(bench, tmp_path):
     assert (out / "table.md").read_text() == table
     assert "| shipped | 1 | 0.350 [" in table and "| 1/2 |" in table and "| 2/2 |" in table
     assert "Base model (before training): 0.300." in table and "lr4e-5-k1-s0 (RuntimeError: x)" in table
+
+
+def test_shipping_bar_hand_computed(bench):
+    """Base 0.30, 5 seeds at k = 1. shipped: finals 0.40 0.45 0.50 0.35 0.40, gains 0.10 0.15 0.20 0.05 0.10,
+    all above; mean 0.12, sd 0.0570, lower bound 0.12 - 2.7764 x 0.0570 / sqrt(5) = 0.0492 > 0; but its sd is
+    above const-0.05's (finals 0.40 ... 0.48 in steps of 0.02: sd sqrt(0.004 / 4) = 0.0316), so it misses the
+    bar. anneal-0.1: one seed at 0.29, below the base. lr4e-5: gains 0.01 x 4 and 0.30, all above, but mean
+    0.068, sd 0.1297, lower bound 0.068 - 2.7764 x 0.058 = -0.093. lr1e-5 has 2 seeds: not judged. const-0.05
+    at k = 2 (5 seeds, no reference at k = 2 other than itself) meets it."""
+    finals = {"shipped": [0.40, 0.45, 0.50, 0.35, 0.40], "const-0.05": [0.40, 0.42, 0.44, 0.46, 0.48],
+              "anneal-0.1": [0.29, 0.50, 0.50, 0.50, 0.50], "lr4e-5": [0.31, 0.31, 0.31, 0.31, 0.60],
+              "lr1e-5": [0.5, 0.5]}
+    recs = [_rec(arm, s, acc, acc) for arm, accs in finals.items() for s, acc in enumerate(accs)]
+    recs += [_rec("const-0.05", s, 0.40 + 0.02 * s, 0.4, k=2) for s in range(5)]
+    recs[0].update(base_accuracy=0.30, base_measured=True)
+    bar = {(b["arm"], b["k"]): b for b in bench.shipping_bar(recs)}
+    assert set(bar) == {("shipped", 1), ("const-0.05", 1), ("anneal-0.1", 1), ("lr4e-5", 1), ("const-0.05", 2)}
+    assert (bar[("shipped", 1)]["all_above"], bar[("shipped", 1)]["low_above_0"]) == (True, True)
+    assert (bar[("shipped", 1)]["spread_ok"], bar[("shipped", 1)]["meets"]) == (False, False)
+    assert bar[("anneal-0.1", 1)]["all_above"] is False and bar[("anneal-0.1", 1)]["meets"] is False
+    assert (bar[("lr4e-5", 1)]["all_above"], bar[("lr4e-5", 1)]["low_above_0"]) == (True, False)
+    assert bar[("const-0.05", 1)]["meets"] and bar[("const-0.05", 2)]["meets"]
+    rows = {(r["arm"], r["k"]): r for r in bench.aggregate(recs)}
+    assert rows[("shipped", 1)]["gain"]["low"] == pytest.approx(0.0492, abs=1e-4)
+    assert rows[("const-0.05", 1)]["sd"] == pytest.approx(0.03162, abs=1e-5)
+    assert "| shipped | 1 | 5 | yes | yes | no | no |" in bench.format_report(recs)
