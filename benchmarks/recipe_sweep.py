@@ -175,16 +175,16 @@ def versus_shipped(records: list[dict]) -> list[dict]:
     return out
 
 
-def shipping_bar(records: list[dict]) -> list[dict]:
-    """Issue 25's bar for a recipe to ship, per arm and k measured on at least :data:`MIN_SEEDS` seeds: every
-    seed's final eval above the base (``all_above``), the 95% lower bound of the mean gain above 0
-    (``low_above_0``), and the spread over seeds (sample sd of the final eval) no larger than
-    :data:`SPREAD_ARM`'s at the same k (``spread_ok``; None while that arm has fewer seeds). ``meets``: all
-    three hold."""
-    rows = [r for r in aggregate(records) if len(r["seeds"]) >= MIN_SEEDS and r["gain"] is not None]
-    ref_sd = {r["k"]: r["sd"] for r in rows if r["arm"] == SPREAD_ARM}
+def shipping_bar(rows: list[dict]) -> list[dict]:
+    """Issue 25's bar for a recipe to ship, from :func:`aggregate`'s ``rows``, per arm and k measured on at
+    least :data:`MIN_SEEDS` seeds: every seed's final eval above the base (``all_above``), the 95% lower bound
+    of the mean gain above 0 (``low_above_0``), and the spread over seeds (sample sd of the final eval) no
+    larger than :data:`SPREAD_ARM`'s at the same k (``spread_ok``; None while that arm has fewer seeds).
+    ``meets``: all three hold."""
+    judged = [r for r in rows if len(r["seeds"]) >= MIN_SEEDS and r["gain"] is not None]
+    ref_sd = {r["k"]: r["sd"] for r in judged if r["arm"] == SPREAD_ARM}
     out = []
-    for r in rows:
+    for r in judged:
         spread_ok = r["sd"] <= ref_sd[r["k"]] if r["k"] in ref_sd else None
         checks = {"all_above": r["above"] == len(r["seeds"]), "low_above_0": r["gain"]["low"] > 0,
                   "spread_ok": spread_ok}
@@ -207,7 +207,8 @@ def format_report(records: list[dict]) -> str:
     head = ["arm", "k", "final [95% CI]", f"last {LAST} evals [95% CI]", "gain over base [95% CI]", "smallest gain",
             "seeds above base", "sd over seeds", "train s / cell"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in aggregate(records):
+    rows = aggregate(records)
+    for r in rows:
         lines.append("| " + " | ".join([
             r["arm"], str(r["k"]), _ci(r["final"]), _ci(r["last"]), _ci(r["gain"]),
             "n/a" if r["min_gain"] is None else f"{r['min_gain']:+.3f}", f"{r['above']}/{len(r['seeds'])}",
@@ -217,7 +218,7 @@ def format_report(records: list[dict]) -> str:
         lines += ["", f"Paired by seed: each arm's last-{LAST}-evals score minus shipped's at the same k.", "",
                   "| arm | k | minus shipped [95% CI] |", "|---|---|---|"]
         lines += [f"| {v['arm']} | {v['k']} | {_ci(v['diff'])} |" for v in vs]
-    bar = shipping_bar(records)
+    bar = shipping_bar(rows)
     if bar:
         yes = {True: "yes", False: "no", None: "n/a"}
         lines += ["", f"The bar to ship (issue 25), arms with at least {MIN_SEEDS} seeds: every seed ends above the "

@@ -102,7 +102,7 @@ def test_shipping_bar_hand_computed(bench):
     recs = [_rec(arm, s, acc, acc) for arm, accs in finals.items() for s, acc in enumerate(accs)]
     recs += [_rec("const-0.05", s, 0.40 + 0.02 * s, 0.4, k=2) for s in range(5)]
     recs[0].update(base_accuracy=0.30, base_measured=True)
-    bar = {(b["arm"], b["k"]): b for b in bench.shipping_bar(recs)}
+    bar = {(b["arm"], b["k"]): b for b in bench.shipping_bar(bench.aggregate(recs))}
     assert set(bar) == {("shipped", 1), ("const-0.05", 1), ("anneal-0.1", 1), ("lr4e-5", 1), ("const-0.05", 2)}
     assert (bar[("shipped", 1)]["all_above"], bar[("shipped", 1)]["low_above_0"]) == (True, True)
     assert (bar[("shipped", 1)]["spread_ok"], bar[("shipped", 1)]["meets"]) == (False, False)
