@@ -12,15 +12,27 @@ from conftest import ROOT, load_benchmark
 from tba.config import load_config
 
 
+BASE_CONFIG = "benchmarks/results/recipe_sweep/base_config.yaml"
+
+
 @pytest.fixture(scope="module")
 def bench():
     return load_benchmark("recipe_sweep")
 
 
+def test_frozen_base_config_keeps_the_committed_cells_setup(bench):
+    """The sweep's default config is frozen: its fingerprint must still be the committed cells' setup, or a
+    resumed sweep would rerun all of them."""
+    records = [json.loads(line) for line in (ROOT / "benchmarks/results/recipe_sweep/results.jsonl").open()]
+    cfg = load_config(ROOT / BASE_CONFIG)
+    setup = bench.setup_id(str(ROOT / BASE_CONFIG), cfg.trainer.max_steps, cfg.task.eval_size, dict(bench.BENCH_DEFAULTS))
+    assert setup in {r["setup"] for r in records if r["steps"] == cfg.trainer.max_steps}
+
+
 @pytest.mark.parametrize("arm", ["shipped", "const-0.05", "anneal-0.02", "lr4e-5"])
 def test_every_arm_is_a_valid_config_with_its_settings(bench, arm, tmp_path):
     c = {"arm": arm, "k": 1, "seed": 3}
-    cfg = load_config(ROOT / "configs/quickstart.yaml",
+    cfg = load_config(ROOT / BASE_CONFIG,
                       bench.cell_overrides(bench.BENCH_DEFAULTS, c, 150, tmp_path, measure_base=False))
     t = cfg.trainer
     assert (t.sync_period, cfg.run.seed, t.max_steps, cfg.run.eval_every, cfg.run.eval_before) == (1, 3, 150, 10,
