@@ -11,7 +11,6 @@ from conftest import ROOT, load_benchmark
 
 from tba.config import load_config
 
-
 BASE_CONFIG = "benchmarks/results/recipe_sweep/base_config.yaml"
 
 
@@ -25,7 +24,8 @@ def test_frozen_base_config_keeps_the_committed_cells_setup(bench):
     resumed sweep would rerun all of them."""
     records = [json.loads(line) for line in (ROOT / "benchmarks/results/recipe_sweep/results.jsonl").open()]
     cfg = load_config(ROOT / BASE_CONFIG)
-    setup = bench.setup_id(str(ROOT / BASE_CONFIG), cfg.trainer.max_steps, cfg.task.eval_size, dict(bench.BENCH_DEFAULTS))
+    setup = bench.setup_id(str(ROOT / BASE_CONFIG), cfg.trainer.max_steps, cfg.task.eval_size,
+                           dict(bench.BENCH_DEFAULTS))
     assert setup in {r["setup"] for r in records if r["steps"] == cfg.trainer.max_steps}
 
 
