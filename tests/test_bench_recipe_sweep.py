@@ -22,7 +22,7 @@ def bench():
 def test_frozen_base_config_keeps_the_committed_cells_setup(bench):
     """The sweep's default config is frozen: its fingerprint must still be the committed cells' setup, or a
     resumed sweep would rerun all of them."""
-    records = [json.loads(line) for line in (ROOT / "benchmarks/results/recipe_sweep/results.jsonl").open()]
+    records = bench.read_results(ROOT / "benchmarks/results/recipe_sweep/results.jsonl")
     cfg = load_config(ROOT / BASE_CONFIG)
     setup = bench.setup_id(str(ROOT / BASE_CONFIG), cfg.trainer.max_steps, cfg.task.eval_size,
                            dict(bench.BENCH_DEFAULTS))
