@@ -38,6 +38,15 @@ DEFAULT_CANDIDATES = [
     "leg_counting:{min_animals: 2, max_animals: 3}",
     "gcd:{min_numbers: 2, max_numbers: 2, min_value: 1, max_value: 100}",
     "decimal_chain_sum:{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+    # second round (2026-12-04): answers with no constant shortcut (gcd's answer is 1 or 2 for about half its
+    # problems), and the quickstart's task with harder terms
+    "chain_sum:{min_terms: 2, max_terms: 2, min_digits: 2, max_digits: 2}",
+    "chain_sum:{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 3}",
+    "basic_arithmetic:{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 2}",
+    "simple_equations:{min_terms: 2, max_terms: 2, min_value: 1, max_value: 10}",
+    "letter_counting:{min_words: 3, max_words: 5}",
+    "lcm:{min_numbers: 2, max_numbers: 2, min_value: 1, max_value: 20}",
+    "products:{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
 ]
 
 
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         rec = {"candidate": cand, "task": name, "options": options, "accuracy": acc, "ci95": [lo, hi], "n": n,
                "eval_engine": cfg.run.eval_engine, "seconds": round(time.monotonic() - t0, 1),
                "load_before": load_before, "load_after": os.getloadavg()[0], "cpus": os.cpu_count(),
-               "examples": result.get("examples", [])[:2]}
+               "date": time.strftime("%Y-%m-%d"), "examples": result.get("examples", [])[:2]}
         records.append(rec)
         print(f"{cand:80s} {acc:.3f} [{lo:.3f}, {hi:.3f}] n={n} ({rec['seconds']:.0f} s)", flush=True)
         write_json(Path(args.out), records)  # after every candidate: a stop keeps the rest
