@@ -148,3 +148,42 @@ def test_unknown_task_name_lists_the_known_ones():
     assert str(err.value) == ("task.name 'chess' is unknown: use one of 'gsm8k', 'known_optimum', "
                               "'reasoning_gym:<dataset>', 'redteam', 'summarize'")
     assert task_class("reasoning_gym:chain_sum").__name__ == "ReasoningGymTask"
+
+
+MIX = {"datasets": [{"name": "chain_sum", "weight": 1, "config": {"min_terms": 2, "max_terms": 2, "max_digits": 1}},
+                    {"name": "lcm", "weight": 1, "config": {"min_numbers": 2, "max_numbers": 2, "max_value": 12}}]}
+
+
+def test_composite_mixes_reasoning_gym_datasets_and_scores_each_by_its_own_rule():
+    """reasoning_gym:composite: items come from both members, train and eval stay disjoint, and each item is
+    scored by its member. The right answers are worked out here from the question text: the sum for
+    chain_sum ('... problem: 4 - 1 ='), math.lcm for lcm ('... of these numbers: 4, 6')."""
+    import math
+    import re
+
+    task = _task(name="reasoning_gym:composite", options=MIX, train_size=60, eval_size=40)
+    members = {p.entry["metadata"]["source_dataset"] for p in task.eval}
+    assert members == {"chain_sum", "lcm"}
+    assert not {p.question for p in task.train} & {p.question for p in task.eval}
+    for p in task.eval:
+        if p.entry["metadata"]["source_dataset"] == "lcm":
+            a, b = map(int, re.search(r"numbers: (\d+), (\d+)", p.question).groups())
+            right = math.lcm(a, b)
+        else:
+            a, op, b = re.search(r"(-?\d+) ([+-]) (-?\d+) =", p.question).groups()
+            right = int(a) + int(b) if op == "+" else int(a) - int(b)
+        assert task.reward(f"The answer is {right}.", p) == 1.0, p.question
+        assert task.reward(str(right + 1), p) == 0.0, p.question
+
+
+@pytest.mark.parametrize("options, line", [
+    ({}, "task.options.datasets: reasoning_gym:composite needs a non-empty list of {name, weight, config} "
+         "mappings (got None)"),
+    ({"datasets": [{"name": "lcm", "weight": 1}]},
+     "task.options.datasets: each item is a mapping with keys name, weight, config (DatasetSpec.__init__() "
+     "missing 1 required positional argument: 'config')"),
+])
+def test_composite_with_bad_members_is_one_line(options, line):
+    with pytest.raises(ValueError) as err:
+        _task(name="reasoning_gym:composite", options=options, train_size=4, eval_size=2)
+    assert str(err.value) == line

@@ -13,7 +13,8 @@ from tba.tasks.base import Problem, Task
 
 class ReasoningGymOptions(BaseModel):
     """A free dict: the dataset's own settings, passed unchecked to reasoning-gym's create_dataset, which
-    refuses bad ones (they differ per dataset; chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1})."""
+    refuses bad ones (they differ per dataset; chain_sum: {min_terms: 2, max_terms: 2, max_digits: 1}).
+    A mixture is reasoning_gym:composite with {datasets: [{name, weight, config}, ...]}."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -44,6 +45,8 @@ class ReasoningGymTask(Task):
         import reasoning_gym
 
         dataset, options = cfg.name.split(":", 1)[1], self.options.model_dump()
+        if dataset == "composite":
+            options = _composite_options(options)
         train_size, eval_size, seed, answer_pattern = cfg.train_size, cfg.eval_size, cfg.seed, cfg.answer_pattern
         self.name = cfg.name
         try:
@@ -52,7 +55,7 @@ class ReasoningGymTask(Task):
             eval_ds = reasoning_gym.create_dataset(dataset, size=eval_size, seed=seed + 1, **options)
             train_ds = reasoning_gym.create_dataset(dataset, size=train_size, seed=seed + 1 + eval_size, **options)
         except (KeyError, TypeError, AssertionError, ValueError) as e:
-            raise ValueError(f"task '{self.name}' with options {options}: {e}") from None
+            raise ValueError(f"task '{self.name}' with options {self.options.model_dump()}: {e}") from None
         self._scorer = train_ds
         try:
             self._pattern = re.compile(answer_pattern, re.S) if answer_pattern else None
@@ -79,3 +82,24 @@ class ReasoningGymTask(Task):
     def reward(self, response: str, problem: Problem) -> float:
         """reasoning-gym's ``score_answer`` of the extracted answer, in [0, 1]."""
         return float(self._scorer.score_answer(self.extract(response), problem.entry))
+
+
+def _composite_options(options: dict) -> dict:
+    """reasoning-gym's composite dataset takes ``DatasetSpec`` objects; a config holds them as mappings
+    ``{name, weight, config}``. Each item is drawn from one member dataset with probability proportional to
+    its weight, and scored by that member's ``score_answer``.
+
+    Raises:
+        ValueError: ``datasets`` is missing or not a list of mappings with exactly those keys (one line).
+    """
+    from reasoning_gym.composite import DatasetSpec
+
+    specs = options.get("datasets")
+    if not isinstance(specs, list) or not specs:
+        raise ValueError("task.options.datasets: reasoning_gym:composite needs a non-empty list of "
+                         f"{{name, weight, config}} mappings (got {specs!r})")
+    try:
+        return {**options, "datasets": [DatasetSpec(**spec) for spec in specs]}
+    except TypeError as e:  # a missing or unknown key, or an item that is not a mapping
+        raise ValueError(f"task.options.datasets: each item is a mapping with keys name, weight, config ({e})") \
+            from None
