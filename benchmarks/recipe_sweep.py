@@ -128,6 +128,14 @@ def last_mean(points: list[tuple[int, float]], n: int = LAST) -> float | None:
     return sum(tail) / len(tail) if tail else None
 
 
+def late_gain(points: list[tuple[int, float]], steps: int, n: int = LAST) -> float | None:
+    """Whether a cell was still improving after its first third: the mean of its last ``n`` evals minus the
+    mean of its evals at steps ``<= steps // 3`` (issue 25's "keeps improving"; None without evals in both)."""
+    early = [v for s, v in points if s <= steps // 3]
+    last = last_mean(points, n)
+    return None if not early or last is None else last - sum(early) / len(early)
+
+
 def latest_by_cell(records: list[dict]) -> dict[tuple, dict]:
     """Successful records keyed by (arm, k, seed, setup); a rerun cell counts once (the latest)."""
     return {cell_key(r): r for r in records if not r.get("error") and r.get("accuracy") is not None}
@@ -141,8 +149,8 @@ def base_accuracy(records: list[dict]) -> float | None:
 def aggregate(records: list[dict]) -> list[dict]:
     """One row per (arm, k), in :data:`ARMS` order then k: ``final`` and ``last`` (mean_ci over seeds),
     ``gain`` (final minus the base: mean_ci), ``min_gain``, ``above`` (seeds with final > base), ``sd``
-    (sample standard deviation of the final accuracy over seeds; NaN for one seed), ``seeds`` and
-    ``train_s`` (median train seconds)."""
+    (sample standard deviation of the final accuracy over seeds; NaN for one seed), ``late`` (:func:`late_gain`
+    over the seeds that have it: mean_ci, or None), ``seeds`` and ``train_s`` (median train seconds)."""
     import statistics
 
     base = base_accuracy(records)
@@ -154,10 +162,13 @@ def aggregate(records: list[dict]) -> list[dict]:
     for (arm, k), rs in sorted(cells.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1])):
         finals = [r["accuracy"] for r in rs]
         gains = [f - base for f in finals] if base is not None else []
+        lates = [g for g in (late_gain([tuple(p) for p in r["evals"]], r["steps"]) for r in rs if r.get("evals"))
+                 if g is not None]
         rows.append({"arm": arm, "k": k, "seeds": [r["seed"] for r in rs], "final": mean_ci(finals),
                      "last": mean_ci([r["last_mean"] for r in rs]), "gain": mean_ci(gains) if gains else None,
                      "min_gain": min(gains) if gains else None, "above": sum(g > 0 for g in gains),
                      "sd": statistics.stdev(finals) if len(finals) > 1 else float("nan"),
+                     "late": mean_ci(lates) if lates else None,
                      "train_s": statistics.median(r["train_wall_s"] for r in rs)})
     return rows
 
@@ -208,14 +219,15 @@ def format_report(records: list[dict]) -> str:
     """Markdown: the cells (scores, gain over the base, reliability), then each arm against ``shipped``."""
     base = base_accuracy(records)
     head = ["arm", "k", "final [95% CI]", f"last {LAST} evals [95% CI]", "gain over base [95% CI]", "smallest gain",
-            "seeds above base", "sd over seeds", "train s / cell"]
+            "seeds above base", "sd over seeds", f"last {LAST} minus first third's evals [95% CI]",
+            "train s / cell"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = aggregate(records)
     for r in rows:
         lines.append("| " + " | ".join([
             r["arm"], str(r["k"]), _ci(r["final"]), _ci(r["last"]), _ci(r["gain"]),
             "n/a" if r["min_gain"] is None else f"{r['min_gain']:+.3f}", f"{r['above']}/{len(r['seeds'])}",
-            f"{r['sd']:.3f}", f"{r['train_s']:.0f}"]) + " |")
+            f"{r['sd']:.3f}", _ci(r["late"]), f"{r['train_s']:.0f}"]) + " |")
     vs = versus_shipped(records)
     if vs:
         lines += ["", f"Paired by seed: each arm's last-{LAST}-evals score minus shipped's at the same k.", "",

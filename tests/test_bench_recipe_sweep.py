@@ -125,3 +125,18 @@ def test_shipping_bar_hand_computed(bench):
     assert rows[("shipped", 1)]["gain"]["low"] == pytest.approx(0.0492, abs=1e-4)
     assert rows[("const-0.05", 1)]["sd"] == pytest.approx(0.03162, abs=1e-5)
     assert "| shipped | 1 | 5 | yes | yes | no | no |" in bench.format_report(recs)
+
+
+def test_late_gain_hand_computed(bench):
+    """150 steps, evals at 25, 50, ..., 150 of 0.30 0.40 | 0.35 0.50 0.50 0.60: the first third (steps <= 50)
+    averages 0.35, the last 3 (0.5 + 0.5 + 0.6) / 3 = 0.5333, so the cell gained +0.1833 after its first
+    third. Two seeds (+0.1833, -0.05): mean +0.0667 in the report."""
+    points = [(25, 0.30), (50, 0.40), (75, 0.35), (100, 0.50), (125, 0.50), (150, 0.60)]
+    assert bench.late_gain(points, 150) == pytest.approx(0.18333, abs=1e-5)
+    assert bench.late_gain(points[2:], 150) is None  # no eval in the first third
+    flat = [(25, 0.40), (50, 0.40), (75, 0.40), (100, 0.35), (125, 0.35), (150, 0.35)]
+    recs = [_rec("shipped", 0, 0.6, 0.5333, steps=150, evals=points, base_accuracy=0.1, base_measured=True),
+            _rec("shipped", 1, 0.35, 0.35, steps=150, evals=flat)]
+    (row,) = bench.aggregate(recs)
+    assert row["late"]["mean"] == pytest.approx((0.18333 - 0.05) / 2, abs=1e-5) and row["late"]["n"] == 2
+    assert "| 0.067 [" in bench.format_report(recs)
