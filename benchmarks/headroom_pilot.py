@@ -47,6 +47,11 @@ DEFAULT_CANDIDATES = [
     "letter_counting:{min_words: 3, max_words: 5}",
     "lcm:{min_numbers: 2, max_numbers: 2, min_value: 1, max_value: 20}",
     "products:{min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+    # four of them as one task, in equal shares (configs/arithmetic_mix.yaml)
+    "composite:{datasets: [{name: chain_sum, weight: 1, config: {min_terms: 2, max_terms: 2, min_digits: 2, "
+    "max_digits: 2}}, {name: basic_arithmetic, weight: 1, config: {min_terms: 2, max_terms: 3, min_digits: 1, "
+    "max_digits: 2}}, {name: lcm, weight: 1, config: {min_numbers: 2, max_numbers: 2, min_value: 1, max_value: 20}}, "
+    "{name: simple_equations, weight: 1, config: {min_terms: 2, max_terms: 2, min_value: 1, max_value: 10}}]}",
 ]
 
 
