@@ -95,6 +95,8 @@ CASES = [
     ("unknown reasoning-gym dataset", lambda t: ["--task.name", "reasoning_gym:no_such_dataset"], 1,
      "reasoning_gym:no_such_dataset"),
     ("bad reasoning-gym option", lambda t: ["task.options={min_terms: 0}"], 1, "options"),
+    ("reasoning-gym mix without members", lambda t: ["--task.name", "reasoning_gym:composite"], 1,
+     "task.options.datasets: reasoning_gym:composite needs a non-empty list of {name, weight, config} mappings"),
     ("unknown task", lambda t: ["--task.name", "chess"], 1, "task.name 'chess' is unknown"),
     ("template without {question}", lambda t: ["--task.prompt_template", "Solve it"], 1, "{question}"),
     ("prompt longer than context", lambda t: ["--task.prompt_template", "{question}" + " word" * 9000,
