@@ -31,6 +31,12 @@ def first_passage(run: dict, target: float, with_setup: bool = False) -> tuple[f
     return t + (run["setup_s"] if with_setup else 0.0), hit is not None
 
 
+def first_step(run: dict, target: float) -> int | None:
+    """Trainer step of the first eval with accuracy >= ``target`` (None if none): a target that the fastest
+    method reaches in a handful of steps measures start-up, not learning speed."""
+    return next((p["step"] for p in run["points"] if p["accuracy"] >= target - 1e-12), None)
+
+
 def accuracy_at(run: dict, budget_s: float, base: float) -> float:
     """Accuracy of the last eval at or before ``budget_s`` of training clock (the base accuracy before the
     first); a run that stopped earlier keeps its last accuracy."""
@@ -60,7 +66,8 @@ def summarize(runs: list[dict], methods: list[str], targets: dict[str, float], b
                 tr = [first_passage(rs[s], tgt, clock == "with_setup") for s in seeds]
                 cells[clock] = {"km_median_s": km_median([t for t, _ in tr], [r for _, r in tr]) if tr else math.nan,
                                 "per_seed_s": [round(t, 1) if r else None for t, r in tr]}
-            per_target[name] = {**cells, "reached": sum(first_passage(rs[s], tgt)[1] for s in seeds)}
+            per_target[name] = {**cells, "reached": sum(first_passage(rs[s], tgt)[1] for s in seeds),
+                                "per_seed_step": [first_step(rs[s], tgt) for s in seeds]}
         out[m] = {
             "seeds": seeds, "failed": sum(1 for r in runs if r.get("method") == m and "error" in r),
             "targets": per_target,
@@ -69,6 +76,8 @@ def summarize(runs: list[dict], methods: list[str], targets: dict[str, float], b
             "s_per_step": [rs[s]["train_s"] / max(1, rs[s]["steps"]) for s in seeds],
             "setup_s": [rs[s]["setup_s"] for s in seeds],
             "threads": rs[seeds[0]].get("threads") if seeds else None,
+            "when": [f"{rs[s].get('started_utc', '?')} {rs[s].get('load_before', '?')}/{rs[s].get('load_after', '?')}"
+                     for s in seeds],
             "errors": [r["error"] for r in runs if r.get("method") == m and "error" in r],
         }
     return out
@@ -136,9 +145,11 @@ def format_table(summary: dict, comparisons: list[dict], meta: dict) -> str:
         lines.append(f"- accuracy {LABELS[c['den']]} minus {LABELS[c['num']]} at fixed budgets (paired t 95% CI): "
                      f"{diffs}")
     for m, s in summary.items():
-        per = "; ".join(f"{n}: {s['targets'][n]['train']['per_seed_s']}" for n in names)
-        lines.append(f"- {LABELS[m]} per seed {s['seeds']} (s to target, None = not reached): {per}; threads "
-                     f"{s['threads']}")
+        per = "; ".join(f"{n}: {s['targets'][n]['train']['per_seed_s']} s, step {s['targets'][n]['per_seed_step']}"
+                        for n in names)
+        lines.append(f"- {LABELS[m]} per seed {s['seeds']} (training clock and trainer step at the target, None = "
+                     f"not reached): {per}; threads {s['threads']}; started (UTC) and 1-min load average before "
+                     f"/ after: {s['when']}")
         lines += [f"- {LABELS[m]} run failed: {e[:200]}" for e in s["errors"]]
     lines += ["", "Command: `" + meta["command"] + "`", ""]
     return "\n".join(lines)

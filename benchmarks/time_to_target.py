@@ -609,6 +609,8 @@ def run_worker(args, argv: list[str], method: str, seed: int, target: float, out
     cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", method, "--worker-seed", str(seed),
            "--worker-out", str(wout), "--stop-target", repr(target)]
     print(f"\n== {LABELS[method]} (seed {seed}) ==", flush=True)
+    # when and under what load: timings are compared only between runs of one session on one machine
+    when = {"started_utc": time.strftime("%Y-%m-%dT%H:%M", time.gmtime()), "load_before": round(os.getloadavg()[0], 2)}
     t0 = time.monotonic()
     try:
         proc = subprocess.run(cmd, check=False, timeout=args.budget_s * 3 + 900)
@@ -617,11 +619,11 @@ def run_worker(args, argv: list[str], method: str, seed: int, target: float, out
         rc = "timeout"
     if wout.is_file():
         rec = json.loads(wout.read_text())
-        rec["wall_s"] = time.monotonic() - t0
+        rec.update(when, wall_s=time.monotonic() - t0, load_after=round(os.getloadavg()[0], 2))
         write_json(wout, rec)
     else:
-        rec = {"method": method, "seed": seed, "error": f"worker exited {rc} without a result"}
-    rec.setdefault("wall_s", time.monotonic() - t0)
+        rec = {"method": method, "seed": seed, "error": f"worker exited {rc} without a result",
+               "wall_s": time.monotonic() - t0}
     if "error" in rec:
         print(f"  {method} failed: {rec['error']}", flush=True)
     return rec

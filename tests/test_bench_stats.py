@@ -76,6 +76,7 @@ def test_first_passage_and_accuracy_at_budget():
     assert ttt.first_passage(run, 0.40) == (30, True)  # the first eval at or above, not the best one
     assert ttt.first_passage(run, 0.40, with_setup=True) == (42.0, True)
     assert ttt.first_passage(run, 0.50) == (60, False)  # censored at the last eval
+    assert ttt.first_step(run, 0.40) == 1 and ttt.first_step(run, 0.45) == 3 and ttt.first_step(run, 0.5) is None
     assert ttt.accuracy_at(run, 10, base=0.25) == 0.25  # before the first eval: the base
     assert ttt.accuracy_at(run, 50, base=0.25) == 0.38  # the last eval at or before the budget
     assert ttt.accuracy_at(run, 999, base=0.25) == 0.47
