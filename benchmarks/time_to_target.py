@@ -387,7 +387,7 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
         setup_s = time.perf_counter() - t_setup
 
         def state_dict():
-            return ray.get(ray.get(rt.trainer.publish.remote())[0])
+            return ray.get(rt.trainer.publish()[0])
 
         freeze = Frozen if cfg.run.mode == "async" else None
 
