@@ -16,7 +16,9 @@ default 1 and the config's) and its seed:
   defaults can change to the evidence without orphaning the finished cells;
 - ``const-B``: beta fixed at B (``trainer.beta_start = beta_end = B``), B in {0.01, 0.02, 0.05, 0.1};
 - ``anneal-B``: beta annealed linearly from B to B/3 over the whole run (the shipped schedule's shape);
-- ``lr1e-5``, ``lr4e-5``: the shipped recipe at half and twice its learning rate.
+- ``lr1e-5``, ``lr4e-5``: the shipped recipe at half and twice its learning rate;
+- ``lr3e-6`` (not in the screen, so not in the default ``--arms``): the recipe at lr 3e-6, a third of the
+  lr shipped since (1e-5), for a headroom task whose rise at 1e-5 ends within 25 steps.
 
 Seeds ``run.seed`` are paired (every arm and k of a seed shares them) and every cell evaluates the same
 held-out problems (``task.seed``) every ``run.eval_every`` steps (default here: 10) and after training. A
@@ -80,7 +82,9 @@ ARMS: dict[str, dict[str, Any]] = {
        for b in BETAS},
     "lr1e-5": {"trainer.lr": 1e-5},
     "lr4e-5": {"trainer.lr": 4e-5},
+    "lr3e-6": {"trainer.lr": 3e-6},
 }
+SCREEN = [a for a in ARMS if a != "lr3e-6"]  #: the default --arms: the quickstart screen's
 #: what every cell sets (no final model, TensorBoard or checkpoints: the study keeps the curves)
 BENCH_DEFAULTS = {"trainer.save_final": False, "run.tensorboard": False, "run.checkpoint_every": 0,
                   "run.eval_every": 10}
@@ -329,7 +333,7 @@ def run_study(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = study_parser(__doc__, "benchmarks/results/recipe_sweep/base_config.yaml", [0, 1],
                      "benchmarks/results/recipe_sweep")
-    p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms")
+    p.add_argument("--arms", nargs="+", default=SCREEN, choices=list(ARMS), help="arms (default: the screen's)")
     p.add_argument("--sync-periods", type=int, nargs="+", default=None,
                    help="sync periods k; default: 1 and the config's")
     return p
