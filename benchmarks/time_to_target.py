@@ -623,7 +623,7 @@ def run_worker(args, argv: list[str], method: str, seed: int, target: float, out
         write_json(wout, rec)
     else:
         rec = {"method": method, "seed": seed, "error": f"worker exited {rc} without a result",
-               "wall_s": time.monotonic() - t0}
+               "wall_s": time.monotonic() - t0, **when}
     if "error" in rec:
         print(f"  {method} failed: {rec['error']}", flush=True)
     return rec
