@@ -26,7 +26,7 @@ def first_passage(run: dict, target: float, with_setup: bool = False) -> tuple[f
     """(seconds, reached): training clock at the first eval with accuracy >= ``target``, or the clock of the
     run's last eval if none (censored there). ``with_setup`` adds the run's setup time."""
     pts = run["points"]
-    hit = next((p for p in pts if p["accuracy"] >= target - 1e-12), None)
+    hit = _first_hit(run, target)
     t = hit["train_s"] if hit else (pts[-1]["train_s"] if pts else run.get("train_s", 0.0))
     return t + (run["setup_s"] if with_setup else 0.0), hit is not None
 
@@ -34,7 +34,13 @@ def first_passage(run: dict, target: float, with_setup: bool = False) -> tuple[f
 def first_step(run: dict, target: float) -> int | None:
     """Trainer step of the first eval with accuracy >= ``target`` (None if none): a target that the fastest
     method reaches in a handful of steps measures start-up, not learning speed."""
-    return next((p["step"] for p in run["points"] if p["accuracy"] >= target - 1e-12), None)
+    hit = _first_hit(run, target)
+    return hit["step"] if hit else None
+
+
+def _first_hit(run: dict, target: float) -> dict | None:
+    """The run's first eval point with accuracy >= ``target`` (float slack 1e-12), or None."""
+    return next((p for p in run["points"] if p["accuracy"] >= target - 1e-12), None)
 
 
 def accuracy_at(run: dict, budget_s: float, base: float) -> float:
