@@ -199,4 +199,4 @@ def test_readme_test_command_is_ci_run():
     commands = re.findall(r"```bash\n(.*?)\n```", readme, re.S)
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert commands[1] == ci[-1]
-    assert "ruff check . && mkdocs build --strict && python -m pytest -q" in ci[-1]
+    assert "ruff check . && mkdocs build --strict && python -m pytest -q -n 2 --dist loadfile" in ci[-1]
