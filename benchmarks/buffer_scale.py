@@ -105,13 +105,15 @@ def _client_class(ray):
             return True
 
         def run(self, buffer, thread: int, until: float) -> dict:
-            """Add batches until wall time ``until`` (time.time()); counts, and each call's round trip."""
+            """Add batches until wall time ``until`` (time.time()), at least one (a client that a loaded machine
+            starts after ``until`` still adds once, its time inside the driver's window); counts, and each call's
+            round trip."""
             rng = random.Random(self.proc * 1000 + thread)
             pool = [make_samples(self.batch, self.prompt_len, self.response_len, rng, thread) for _ in range(2)]
             uid = (self.proc * 1000 + thread) * 10**9  # first response token: unique per call, so no dedup
             adds = samples = 0
             rtts = []
-            while time.time() < until:
+            while adds == 0 or time.time() < until:
                 batch = pool[adds % 2]
                 for s in batch:
                     uid += 1
@@ -185,8 +187,10 @@ def prefill(ray, buffer, prompts: int, capacity: int, prompt_len: int, response_
 
 
 def _sample_loop(ray, buffer, b: int, k: int, every: float, until: float, out: list[float]) -> None:
+    """The trainer's side of a window: a ``sample`` call every ``every`` s until ``until``, at least one (as
+    the clients' adds); each call's round trip (s) appended to ``out``."""
     step = 0
-    while time.time() < until:
+    while step == 0 or time.time() < until:
         t0 = time.perf_counter()
         ray.get(buffer.sample.remote(b, k, step))
         out.append(time.perf_counter() - t0)
