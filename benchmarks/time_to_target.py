@@ -120,6 +120,7 @@ from _common import (
     quiet_env,
     warnings_only_logging,
     write_json,
+    write_jsonl_gz,
 )
 from _ttt_report import LABELS, compare, format_table, plot, summarize
 
@@ -360,6 +361,25 @@ class Frozen:
 
 # -- workers -------------------------------------------------------------------------------------------
 
+def curve_records(steps: list[dict], points: list[dict]) -> list[dict]:
+    """One run's curve in ``metrics.jsonl``'s form, for ``<out>/curves/<method>-s<seed>.jsonl.gz``: each
+    training step's metrics (``steps``: dicts with ``step``, ``train_s`` and the step's metrics) and each eval
+    point as a record of ``step``, ``train_s`` and ``eval/*`` keys (what :func:`tba.logger.eval_series` reads),
+    in step order with a step's eval after its metrics (a stable sort of metrics, then evals). A point's own
+    timing (``eval_s``) and counts stay out."""
+    evals = [{"step": p["step"], "train_s": p["train_s"],
+              **{f"eval/{k}": p[k] for k in ("accuracy", "stderr", "n") if k in p}} for p in points]
+    return sorted(steps + evals, key=lambda r: r["step"])
+
+
+def save_curve(out: Path, method: str, seed: int, steps: list[dict], points: list[dict]) -> str:
+    """Write :func:`curve_records` gzipped (committed with the study, so later analyses recompute from the
+    curves); return the path."""
+    path = out / "curves" / f"{method}-s{seed}.jsonl.gz"
+    write_jsonl_gz(path, curve_records(steps, points))
+    return str(path)
+
+
 def new_tracker(args, cfg, policy_path: str, target: float) -> Tracker:
     """A tracker with a fresh clock, evaluating through a :class:`ChildEvaluator` (loaded now, off the clock)."""
     evaluator = ChildEvaluator(cfg, policy_path, pick_device(args.device), args.threads)
@@ -381,6 +401,7 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
     run_dir = Path(args.out) / "runs" / f"{method}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     last = {"step": 0, "samples": 0, "staleness": [], "idle": 0.0, "train_step_s": []}
+    steps: list[dict] = []  # every step's metrics, for the committed curve
 
     with RayRuntime(cfg, policy_path, ref_path, run_dir) as rt:
         ray.get([a.__ray_ready__.remote() for a in rt.actors])  # every model loaded before the clock starts
@@ -396,6 +417,7 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
             last["staleness"].append(m.get("buffer/staleness_mean", 0.0))
             last["idle"] = m.get("perf/trainer_idle_frac", 0.0)
             last["train_step_s"].append(m.get("perf/train_step_s", 0.0))
+            steps.append({"step": step, "train_s": clock.elapsed(), **m})
             if tracker.eval_now(step, cfg.trainer.max_steps):
                 tracker.record(step, last["samples"], state_dict, freeze)
             if tracker.should_stop():
@@ -409,7 +431,9 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
             pass
         train_s = clock.elapsed()
         tracker.record_final(last["step"], last["samples"], state_dict, freeze)
+    curve = save_curve(Path(args.out), method, seed, steps, tracker.points)
     return {"method": method, "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": last["step"],
+            "curve": curve,
             "samples": last["samples"], "points": tracker.points, "reached": tracker.reached,
             "staleness_mean": statistics.fmean(last["staleness"]) if last["staleness"] else 0.0,
             "trainer_idle_frac": last["idle"],
@@ -527,7 +551,13 @@ def run_trl(args, seed: int, target: float) -> dict:
     trl_step_s = statistics.median(b - a for a, b in zip(ends, ends[1:])) if tracker.step_ends else 0.0
     step = trainer.state.global_step
     tracker.record_final(step, step * n_per_step, lambda: cast_weights(trainer.model, gen_dtype))
+    # TRL's own per-step log (reward, KL, completion length, ...), at logging_steps=1; its step ends on our clock
+    logs = [r for r in trainer.state.log_history if "step" in r and "train_runtime" not in r]
+    end_of = dict(enumerate(tracker.step_ends, start=1))
+    steps_log = [{**r, "train_s": end_of.get(r["step"])} for r in logs]
+    curve = save_curve(Path(args.out), "trl", seed, steps_log, tracker.points)
     return {"method": "trl", "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": step,
+            "curve": curve,
             "samples": step * n_per_step, "points": tracker.points, "reached": tracker.reached,
             "driver_peak_rss_mib": peak_rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
             "rss_by_process_mib": tracker.rss_by_name,

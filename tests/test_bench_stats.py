@@ -96,3 +96,24 @@ def test_summary_and_paired_comparison_from_points():
     assert cmp["ratio"]["base+0.10/train"]["low"] == pytest.approx(2.0)
     # accuracy at 15 s: async 0.41 minus sync 0.35 in every pair
     assert cmp["budget_difference"]["15.0"]["mean"] == pytest.approx(0.06)
+
+
+def test_time_to_target_curve_keeps_steps_and_eval_points(tmp_path):
+    from tba.logger import eval_series
+
+    harness, common = load_benchmark("time_to_target"), load_benchmark("_common")
+    steps = [{"step": s, "train_s": 10.0 * s, "reward/mean": 0.1 * s} for s in (1, 2, 3)]
+    points = [{"train_s": 20.5, "step": 2, "samples": 64, "accuracy": 0.30, "stderr": 0.02, "n": 400,
+               "eval_s": 9.0},
+              {"train_s": 30.5, "step": 3, "samples": 96, "accuracy": 0.35, "stderr": 0.03, "n": 400,
+               "eval_s": 9.0}]
+    path = harness.save_curve(tmp_path, "async", 1, steps, points)
+    assert path == str(tmp_path / "curves" / "async-s1.jsonl.gz")
+    recs = common.read_jsonl_gz(tmp_path / "curves" / "async-s1.jsonl.gz")
+    # step order, a step's eval after its metrics; the eval's own timing stays out
+    assert [(r["step"], "eval/accuracy" in r) for r in recs] == [(1, False), (2, False), (2, True), (3, False),
+                                                                 (3, True)]
+    assert recs[2] == {"step": 2, "train_s": 20.5, "eval/accuracy": 0.30, "eval/stderr": 0.02, "eval/n": 400}
+    assert recs[3]["reward/mean"] == pytest.approx(0.3)
+    # the learning-curve reader sees the eval points with their standard errors
+    assert eval_series(recs) == ("accuracy", [(2, 0.30, 0.02), (3, 0.35, 0.03)])
