@@ -400,8 +400,8 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
     clock = tracker.clock
     run_dir = Path(args.out) / "runs" / f"{method}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    last = {"step": 0, "samples": 0, "staleness": [], "idle": 0.0, "train_step_s": []}
-    steps: list[dict] = []  # every step's metrics, for the committed curve
+    last = {"step": 0, "samples": 0, "idle": 0.0}
+    steps: list[dict] = []  # every step's metrics: the committed curve, and the run's staleness and step time
 
     with RayRuntime(cfg, policy_path, ref_path, run_dir) as rt:
         ray.get([a.__ray_ready__.remote() for a in rt.actors])  # every model loaded before the clock starts
@@ -414,9 +414,7 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
 
         def progress(step: int, m: dict) -> None:
             last["step"], last["samples"] = step, int(m.get("buffer/samples_added", 0))
-            last["staleness"].append(m.get("buffer/staleness_mean", 0.0))
             last["idle"] = m.get("perf/trainer_idle_frac", 0.0)
-            last["train_step_s"].append(m.get("perf/train_step_s", 0.0))
             steps.append({"step": step, "train_s": clock.elapsed(), **m})
             if tracker.eval_now(step, cfg.trainer.max_steps):
                 tracker.record(step, last["samples"], state_dict, freeze)
@@ -432,12 +430,14 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
         train_s = clock.elapsed()
         tracker.record_final(last["step"], last["samples"], state_dict, freeze)
     curve = save_curve(Path(args.out), method, seed, steps, tracker.points)
+    staleness = [r.get("buffer/staleness_mean", 0.0) for r in steps]
+    step_s = [r.get("perf/train_step_s", 0.0) for r in steps]
     return {"method": method, "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": last["step"],
             "curve": curve,
             "samples": last["samples"], "points": tracker.points, "reached": tracker.reached,
-            "staleness_mean": statistics.fmean(last["staleness"]) if last["staleness"] else 0.0,
+            "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
             "trainer_idle_frac": last["idle"],
-            "train_step_s_median": statistics.median(last["train_step_s"]) if last["train_step_s"] else 0.0,
+            "train_step_s_median": statistics.median(step_s) if step_s else 0.0,
             "driver_peak_rss_mib": peak_rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
             "rss_by_process_mib": tracker.rss_by_name,
             "frozen_searchers": [p.get("frozen_searchers") for p in tracker.points],
