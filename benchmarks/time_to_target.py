@@ -400,8 +400,7 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
     clock = tracker.clock
     run_dir = Path(args.out) / "runs" / f"{method}-s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    last = {"step": 0, "samples": 0, "idle": 0.0}
-    steps: list[dict] = []  # every step's metrics: the committed curve, and the run's staleness and step time
+    steps: list[dict] = []  # every step's metrics: the committed curve and every per-run figure below
 
     with RayRuntime(cfg, policy_path, ref_path, run_dir) as rt:
         ray.get([a.__ray_ready__.remote() for a in rt.actors])  # every model loaded before the clock starts
@@ -413,11 +412,9 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
         freeze = Frozen if cfg.run.mode == "async" else None
 
         def progress(step: int, m: dict) -> None:
-            last["step"], last["samples"] = step, int(m.get("buffer/samples_added", 0))
-            last["idle"] = m.get("perf/trainer_idle_frac", 0.0)
             steps.append({"step": step, "train_s": clock.elapsed(), **m})
             if tracker.eval_now(step, cfg.trainer.max_steps):
-                tracker.record(step, last["samples"], state_dict, freeze)
+                tracker.record(step, int(m.get("buffer/samples_added", 0)), state_dict, freeze)
             if tracker.should_stop():
                 raise StopRun
 
@@ -428,15 +425,17 @@ def run_tba(args, method: str, seed: int, target: float) -> dict:
         except StopRun:
             pass
         train_s = clock.elapsed()
-        tracker.record_final(last["step"], last["samples"], state_dict, freeze)
+        last = steps[-1] if steps else {"step": 0}
+        samples = int(last.get("buffer/samples_added", 0))
+        tracker.record_final(last["step"], samples, state_dict, freeze)
     curve = save_curve(Path(args.out), method, seed, steps, tracker.points)
     staleness = [r.get("buffer/staleness_mean", 0.0) for r in steps]
     step_s = [r.get("perf/train_step_s", 0.0) for r in steps]
     return {"method": method, "seed": seed, "setup_s": setup_s, "train_s": train_s, "steps": last["step"],
             "curve": curve,
-            "samples": last["samples"], "points": tracker.points, "reached": tracker.reached,
+            "samples": samples, "points": tracker.points, "reached": tracker.reached,
             "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
-            "trainer_idle_frac": last["idle"],
+            "trainer_idle_frac": last.get("perf/trainer_idle_frac", 0.0),
             "train_step_s_median": statistics.median(step_s) if step_s else 0.0,
             "driver_peak_rss_mib": peak_rss_mib(), "tree_rss_max_mib": tracker.max_tree_rss,
             "rss_by_process_mib": tracker.rss_by_name,
