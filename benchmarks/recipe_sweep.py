@@ -193,21 +193,24 @@ def versus_shipped(records: list[dict]) -> list[dict]:
     return out
 
 
-def shipping_bar(rows: list[dict]) -> list[dict]:
+def shipping_bar(rows: list[dict], ref_rows: list[dict] | None = None) -> list[dict]:
     """Issue 25's bar for a recipe to ship, from :func:`aggregate`'s ``rows``, per arm and k measured on at
     least :data:`MIN_SEEDS` seeds: every seed's final eval above the base (``all_above``), the 95% lower bound
     of the mean gain above 0 (``low_above_0``), and the spread over seeds (sample sd of the final eval) no
-    larger than :data:`SPREAD_ARM`'s at the same k (``spread_ok``; None while that arm has fewer seeds).
-    ``meets``: all three hold."""
+    larger than :data:`SPREAD_ARM`'s at the same k (``spread_ok``; None while that arm has fewer seeds). The
+    reference comes from ``ref_rows`` (another sweep's :func:`aggregate`, e.g. the beta arms run at a changed
+    lr in their own directory) where given, else from ``rows``. ``meets``: False if any check fails, None if
+    none fails but one is undecided, else True."""
     judged = [r for r in rows if len(r["seeds"]) >= MIN_SEEDS and r["gain"] is not None]
-    ref_sd = {r["k"]: r["sd"] for r in judged if r["arm"] == SPREAD_ARM}
+    refs = [r for r in (rows if ref_rows is None else ref_rows) if len(r["seeds"]) >= MIN_SEEDS]
+    ref_sd = {r["k"]: r["sd"] for r in refs if r["arm"] == SPREAD_ARM}
     out = []
     for r in judged:
         spread_ok = r["sd"] <= ref_sd[r["k"]] if r["k"] in ref_sd else None
         checks = {"all_above": r["above"] == len(r["seeds"]), "low_above_0": r["gain"]["low"] > 0,
                   "spread_ok": spread_ok}
-        out.append({"arm": r["arm"], "k": r["k"], "seeds": len(r["seeds"]), **checks,
-                    "meets": all(v is True for v in checks.values())})
+        meets = False if False in checks.values() else None if None in checks.values() else True
+        out.append({"arm": r["arm"], "k": r["k"], "seeds": len(r["seeds"]), **checks, "meets": meets})
     return out
 
 
@@ -219,8 +222,9 @@ def _ci(x: dict | None) -> str:
     return f"{x['mean']:.3f} [{x['low']:.3f}, {x['high']:.3f}] (n={x['n']})"
 
 
-def format_report(records: list[dict]) -> str:
-    """Markdown: the cells (scores, gain over the base, reliability), then each arm against ``shipped``."""
+def format_report(records: list[dict], ref_records: list[dict] | None = None) -> str:
+    """Markdown: the cells (scores, gain over the base, reliability), each arm against ``shipped``, then
+    :func:`shipping_bar` (its spread reference from ``ref_records`` where given)."""
     base = base_accuracy(records)
     head = ["arm", "k", "final [95% CI]", f"last {LAST} evals [95% CI]", "gain over base [95% CI]", "smallest gain",
             "seeds above base", "sd over seeds", f"last {LAST} minus first third's evals [95% CI]",
@@ -237,12 +241,13 @@ def format_report(records: list[dict]) -> str:
         lines += ["", f"Paired by seed: each arm's last-{LAST}-evals score minus shipped's at the same k.", "",
                   "| arm | k | minus shipped [95% CI] |", "|---|---|---|"]
         lines += [f"| {v['arm']} | {v['k']} | {_ci(v['diff'])} |" for v in vs]
-    bar = shipping_bar(rows)
+    bar = shipping_bar(rows, None if ref_records is None else aggregate(ref_records))
     if bar:
         yes = {True: "yes", False: "no", None: "n/a"}
+        ref = "" if ref_records is None else " in the --spread-ref sweep"
         lines += ["", f"The bar to ship (issue 25), arms with at least {MIN_SEEDS} seeds: every seed ends above the "
                   f"base, the gain's 95% lower bound is above 0, the spread over seeds is no larger than "
-                  f"{SPREAD_ARM}'s.", "",
+                  f"{SPREAD_ARM}'s{ref} (n/a: that arm has fewer than {MIN_SEEDS} seeds at this k).", "",
                   "| arm | k | seeds | every seed above base | gain's lower bound > 0 | sd <= "
                   f"{SPREAD_ARM}'s | meets the bar |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {b['arm']} | {b['k']} | {b['seeds']} | {yes[b['all_above']]} | {yes[b['low_above_0']]} | "
@@ -258,9 +263,11 @@ def format_report(records: list[dict]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
-def report(out: Path) -> str:
-    """Write ``table.md`` from ``<out>/results.jsonl``; return it."""
-    table = format_report(read_results(out / "results.jsonl"))
+def report(out: Path, spread_ref: Path | None = None) -> str:
+    """Write ``table.md`` from ``<out>/results.jsonl`` (the bar's spread reference from
+    ``<spread_ref>/results.jsonl`` where given); return it."""
+    ref = None if spread_ref is None else read_results(Path(spread_ref) / "results.jsonl")
+    table = format_report(read_results(out / "results.jsonl"), ref)
     (out / "table.md").write_text(table)
     return table
 
@@ -324,9 +331,9 @@ def run_study(args) -> int:
             print("\ninterrupted; finished cells are in results.jsonl (continue with --resume)", file=sys.stderr)
             return 130
         base_done = base_done or bool(rec.get("base_measured"))
-        report(out)
+        report(out, args.spread_ref)
     print(f"sweep finished in {time.monotonic() - t0:.0f} s\n", flush=True)
-    print(report(out), flush=True)
+    print(report(out, args.spread_ref), flush=True)
     return 0
 
 
@@ -336,12 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arms", nargs="+", default=SCREEN, choices=list(ARMS), help="arms (default: the screen's)")
     p.add_argument("--sync-periods", type=int, nargs="+", default=None,
                    help="sync periods k; default: 1 and the config's")
+    p.add_argument("--spread-ref", type=Path, default=None, metavar="DIR",
+                   help=f"judge the shipping bar's spread against {SPREAD_ARM} in this sweep's results "
+                        "(default: this one's)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return study_main(args, run_study, report)
+    return study_main(args, run_study, lambda out: report(out, args.spread_ref))
 
 
 if __name__ == "__main__":

@@ -127,6 +127,27 @@ def test_shipping_bar_hand_computed(bench):
     assert "| shipped | 1 | 5 | yes | yes | no | no |" in bench.format_report(recs)
 
 
+def test_shipping_bar_spread_reference_from_another_sweep(bench, tmp_path):
+    """lr3e-6 at k = 2, 5 seeds: finals 0.40 ... 0.48 in steps of 0.02 (sd 0.0316), all above base 0.30. With
+    no const-0.05 of 5 seeds the spread check is undecided, so the verdict is n/a, not no. Against another
+    sweep's const-0.05 at k = 2 (finals 0.40, 0.45, 0.50, 0.35, 0.40: sd 0.0570) it meets the bar; against
+    one with finals 0.40, 0.41, 0.40, 0.41, 0.40 (sd 0.0055) it misses it."""
+    recs = [_rec("lr3e-6", s, 0.40 + 0.02 * s, 0.4, k=2) for s in range(5)]
+    recs[0].update(base_accuracy=0.30, base_measured=True)
+    (bar,) = bench.shipping_bar(bench.aggregate(recs))
+    assert (bar["spread_ok"], bar["meets"]) == (None, None)
+    wide = [_rec("const-0.05", s, a, a, k=2) for s, a in enumerate([0.40, 0.45, 0.50, 0.35, 0.40])]
+    narrow = [_rec("const-0.05", s, a, a, k=2) for s, a in enumerate([0.40, 0.41, 0.40, 0.41, 0.40])]
+    assert bench.shipping_bar(bench.aggregate(recs), bench.aggregate(wide))[0]["meets"] is True
+    assert bench.shipping_bar(bench.aggregate(recs), bench.aggregate(narrow))[0]["meets"] is False
+    out, ref = tmp_path / "sweep", tmp_path / "beta"
+    for d, rs in ((out, recs), (ref, wide)):
+        d.mkdir()
+        (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    assert "| lr3e-6 | 2 | 5 | yes | yes | n/a | n/a |" in bench.report(out)
+    assert "| lr3e-6 | 2 | 5 | yes | yes | yes | yes |" in bench.report(out, ref)
+
+
 def test_late_gain_hand_computed(bench):
     """150 steps, evals at 25, 50, ..., 150 of 0.30 0.40 | 0.35 0.50 0.50 0.60: the first third (steps <= 50)
     averages 0.35, the last 3 (0.5 + 0.5 + 0.6) / 3 = 0.5333, so the cell gained +0.1833 after its first
