@@ -47,7 +47,9 @@ The screen (2 CPU cores: about 6 minutes a cell; 11 arms x 2 sync periods x 2 se
 
     python benchmarks/recipe_sweep.py --seeds 0 1 --resume --out benchmarks/results/recipe_sweep
 
-``--report-only`` rebuilds ``table.md`` from ``results.jsonl``.
+``--report-only`` rebuilds ``table.md`` from ``results.jsonl``. ``--spread-ref DIR`` takes the bar's spread
+reference (``const-0.05``) from another sweep's results, e.g. beta arms run with ``--set trainer.lr=...`` in a
+directory of their own.
 """
 
 from __future__ import annotations
