@@ -4,6 +4,7 @@ the 2-layer SmolLM2; a rank killed or stopped mid-run ends the run with one line
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 
@@ -56,7 +57,10 @@ def test_a_lost_trainer_rank_stops_the_run_and_it_resumes(tmp_path, cli, sig, fs
     assert summary["trainer_steps"] == saved + 2 and summary["searcher_max_version"] >= saved
     records = [rec for rec in read_metrics(out / "metrics.jsonl") if "loss/tb" in rec][before:]
     assert [rec["step"] for rec in records] == [saved + 1, saved + 2]
-    assert all(rec["train/grad_norm"] > 0 and rec["train/skipped"] == 0 for rec in records)
+    # every resumed step was taken (a broken restore gives a non-finite loss or gradient: skipped). Not
+    # grad_norm > 0: the 2-layer model's rewards are all 0, so in float32 (what "auto" picks without AVX512)
+    # TB's gradient is exactly 0 while the policy still equals the reference (CI saw it, 2026-12-06)
+    assert all(rec["train/skipped"] == 0 and math.isfinite(rec["train/grad_norm"]) for rec in records), records
     gaps = [rec["sync/logprob_gap"] for rec in records if "sync/logprob_gap" in rec]
     assert gaps and max(gaps) < SearcherConfig().sync_gap_bound
     assert "accuracy" in summary["eval_after"] and (out / "final" / "config.json").is_file()
