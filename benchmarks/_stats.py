@@ -1,7 +1,8 @@
 """Statistics for the benchmarks' claims: censored first-passage times, paired ratios, means with intervals.
 
 Built on scipy (``scipy.stats.ecdf`` for Kaplan-Meier, ``scipy.stats.bootstrap`` for paired intervals,
-Student's t for means); nothing here is estimated by hand-written code that a library already provides.
+Student's t for means, Fisher's F for ratios of standard deviations); nothing here is estimated by
+hand-written code that a library already provides.
 """
 
 from __future__ import annotations
@@ -96,3 +97,24 @@ def paired_difference_ci(a: Sequence[float], b: Sequence[float]) -> dict:
     if len(a) != len(b):
         raise ValueError(f"paired runs differ in number: {len(a)} vs {len(b)}")
     return mean_ci(np.asarray(a, float) - np.asarray(b, float))
+
+
+def sd_ratio_ci(sd_a: float, n_a: int, sd_b: float, n_b: int) -> dict:
+    """Ratio ``sd_a / sd_b`` of two sample standard deviations (of ``n_a`` and ``n_b`` independent values from
+    normal distributions) with its 95% interval from Fisher's F: the variance ratio r^2 lies in
+    [r^2 / F(0.975; n_a - 1, n_b - 1), r^2 x F(0.975; n_b - 1, n_a - 1)]; the bounds are its square roots.
+
+    Returns:
+        ``{"mean", "low", "high", "n"}`` (``mean``: the ratio; ``n``: ``(n_a, n_b)``); NaN bounds when either
+        side has fewer than 2 values, and an infinite ratio when ``sd_b`` is 0.
+
+    Raises:
+        ValueError: a negative standard deviation.
+    """
+    if sd_a < 0 or sd_b < 0:
+        raise ValueError(f"standard deviations must be >= 0, got {sd_a} and {sd_b}")
+    r = sd_a / sd_b if sd_b > 0 else math.inf
+    if min(n_a, n_b) < 2:
+        return {"mean": r, "low": math.nan, "high": math.nan, "n": (n_a, n_b)}
+    f_low, f_high = stats.f.ppf(0.975, n_a - 1, n_b - 1), stats.f.ppf(0.975, n_b - 1, n_a - 1)
+    return {"mean": r, "low": r / math.sqrt(f_low), "high": r * math.sqrt(f_high), "n": (n_a, n_b)}

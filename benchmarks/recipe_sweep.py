@@ -73,7 +73,7 @@ from _common import (
     study_parser,
     write_jsonl_gz,
 )
-from _stats import mean_ci, paired_difference_ci
+from _stats import mean_ci, paired_difference_ci, sd_ratio_ci
 
 BETAS = (0.01, 0.02, 0.05, 0.1)
 #: arm name -> its config overrides; an anneal's length is the run's (filled in by :func:`cell_overrides`)
@@ -202,17 +202,20 @@ def shipping_bar(rows: list[dict], ref_rows: list[dict] | None = None) -> list[d
     larger than :data:`SPREAD_ARM`'s at the same k (``spread_ok``; None while that arm has fewer seeds). The
     reference comes from ``ref_rows`` (another sweep's :func:`aggregate`, e.g. the beta arms run at a changed
     lr in their own directory) where given, else from ``rows``. ``meets``: False if any check fails, None if
-    none fails but one is undecided, else True."""
+    none fails but one is undecided, else True. ``sd_ratio``: this sd over the reference's with its 95% F
+    interval (:func:`sd_ratio_ci`, seeds taken as independent), None without a reference."""
     judged = [r for r in rows if len(r["seeds"]) >= MIN_SEEDS and r["gain"] is not None]
     refs = [r for r in (rows if ref_rows is None else ref_rows) if len(r["seeds"]) >= MIN_SEEDS]
-    ref_sd = {r["k"]: r["sd"] for r in refs if r["arm"] == SPREAD_ARM}
+    ref_sd = {r["k"]: (r["sd"], len(r["seeds"])) for r in refs if r["arm"] == SPREAD_ARM}
     out = []
     for r in judged:
-        spread_ok = r["sd"] <= ref_sd[r["k"]] if r["k"] in ref_sd else None
+        ref = ref_sd.get(r["k"])
+        spread_ok = None if ref is None else r["sd"] <= ref[0]
         checks = {"all_above": r["above"] == len(r["seeds"]), "low_above_0": r["gain"]["low"] > 0,
                   "spread_ok": spread_ok}
         meets = False if False in checks.values() else None if None in checks.values() else True
-        out.append({"arm": r["arm"], "k": r["k"], "seeds": len(r["seeds"]), **checks, "meets": meets})
+        out.append({"arm": r["arm"], "k": r["k"], "seeds": len(r["seeds"]), **checks, "meets": meets,
+                    "sd_ratio": None if ref is None else sd_ratio_ci(r["sd"], len(r["seeds"]), *ref)})
     return out
 
 
@@ -222,6 +225,12 @@ def _ci(x: dict | None) -> str:
     if x["low"] != x["low"]:  # NaN: one seed
         return f"{x['mean']:.3f} (n={x['n']})"
     return f"{x['mean']:.3f} [{x['low']:.3f}, {x['high']:.3f}] (n={x['n']})"
+
+
+def _ratio(x: dict | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x['mean']:.2f} [{x['low']:.2f}, {x['high']:.2f}]"
 
 
 def format_report(records: list[dict], ref_records: list[dict] | None = None) -> str:
@@ -249,11 +258,12 @@ def format_report(records: list[dict], ref_records: list[dict] | None = None) ->
         ref = "" if ref_records is None else " in the --spread-ref sweep"
         lines += ["", f"The bar to ship (issue 25), arms with at least {MIN_SEEDS} seeds: every seed ends above the "
                   f"base, the gain's 95% lower bound is above 0, the spread over seeds is no larger than "
-                  f"{SPREAD_ARM}'s{ref} (n/a: that arm has fewer than {MIN_SEEDS} seeds at this k).", "",
+                  f"{SPREAD_ARM}'s{ref} (n/a: that arm has fewer than {MIN_SEEDS} seeds at this k). The sd "
+                  "ratio's interval is Fisher's F, taking the two arms' seeds as independent.", "",
                   "| arm | k | seeds | every seed above base | gain's lower bound > 0 | sd <= "
-                  f"{SPREAD_ARM}'s | meets the bar |", "|---|---|---|---|---|---|---|"]
+                  f"{SPREAD_ARM}'s | meets the bar | sd / {SPREAD_ARM}'s [95% CI] |", "|" + "---|" * 8]
         lines += [f"| {b['arm']} | {b['k']} | {b['seeds']} | {yes[b['all_above']]} | {yes[b['low_above_0']]} | "
-                  f"{yes[b['spread_ok']]} | {yes[b['meets']]} |" for b in bar]
+                  f"{yes[b['spread_ok']]} | {yes[b['meets']]} | {_ratio(b['sd_ratio'])} |" for b in bar]
     notes = ["Accuracy: greedy, on the same held-out problems in every cell; intervals are 95% Student-t over "
              "paired seeds."]
     if base is not None:

@@ -131,7 +131,9 @@ def test_shipping_bar_spread_reference_from_another_sweep(bench, tmp_path):
     """lr3e-6 at k = 2, 5 seeds: finals 0.40 ... 0.48 in steps of 0.02 (sd 0.0316), all above base 0.30. With
     no const-0.05 of 5 seeds the spread check is undecided, so the verdict is n/a, not no. Against another
     sweep's const-0.05 at k = 2 (finals 0.40, 0.45, 0.50, 0.35, 0.40: sd 0.0570) it meets the bar; against
-    one with finals 0.40, 0.41, 0.40, 0.41, 0.40 (sd 0.0055) it misses it."""
+    one with finals 0.40, 0.41, 0.40, 0.41, 0.40 (sd 0.0055) it misses it. The sd ratio against the wide one:
+    0.03162 / 0.05701 = 0.555, its F interval 0.555 / 3.0991 = 0.179 to 0.555 x 3.0991 = 1.719 (sqrt of
+    F(0.975; 4, 4) = 9.6045)."""
     recs = [_rec("lr3e-6", s, 0.40 + 0.02 * s, 0.4, k=2) for s in range(5)]
     recs[0].update(base_accuracy=0.30, base_measured=True)
     (bar,) = bench.shipping_bar(bench.aggregate(recs))
@@ -144,8 +146,8 @@ def test_shipping_bar_spread_reference_from_another_sweep(bench, tmp_path):
     for d, rs in ((out, recs), (ref, wide)):
         d.mkdir()
         (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
-    assert "| lr3e-6 | 2 | 5 | yes | yes | n/a | n/a |" in bench.report(out)
-    assert "| lr3e-6 | 2 | 5 | yes | yes | yes | yes |" in bench.report(out, ref)
+    assert "| lr3e-6 | 2 | 5 | yes | yes | n/a | n/a | n/a |" in bench.report(out)
+    assert "| lr3e-6 | 2 | 5 | yes | yes | yes | yes | 0.55 [0.18, 1.72] |" in bench.report(out, ref)
 
 
 def test_late_gain_hand_computed(bench):
