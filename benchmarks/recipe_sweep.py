@@ -206,10 +206,10 @@ def shipping_bar(rows: list[dict], ref_rows: list[dict] | None = None) -> list[d
     interval (:func:`sd_ratio_ci`, seeds taken as independent), None without a reference."""
     judged = [r for r in rows if len(r["seeds"]) >= MIN_SEEDS and r["gain"] is not None]
     refs = [r for r in (rows if ref_rows is None else ref_rows) if len(r["seeds"]) >= MIN_SEEDS]
-    ref_sd = {r["k"]: (r["sd"], len(r["seeds"])) for r in refs if r["arm"] == SPREAD_ARM}
+    ref_spread = {r["k"]: (r["sd"], len(r["seeds"])) for r in refs if r["arm"] == SPREAD_ARM}  # k -> (sd, seeds)
     out = []
     for r in judged:
-        ref = ref_sd.get(r["k"])
+        ref = ref_spread.get(r["k"])
         spread_ok = None if ref is None else r["sd"] <= ref[0]
         checks = {"all_above": r["above"] == len(r["seeds"]), "low_above_0": r["gain"]["low"] > 0,
                   "spread_ok": spread_ok}

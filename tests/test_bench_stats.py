@@ -63,7 +63,6 @@ def test_mean_ci_hand_values():
     assert d["mean"] == pytest.approx(0.2) and d["low"] == pytest.approx(0.2 - 0.24841, abs=1e-4)
 
 
-
 def test_sd_ratio_ci_hand_values():
     # 5 and 5 seeds: F(0.975; 4, 4) = 9.6045 (F table), sqrt 3.0991: ratio 0.025 / 0.005 = 5 -> [1.6134, 15.496]
     r = st.sd_ratio_ci(0.025, 5, 0.005, 5)
@@ -76,6 +75,7 @@ def test_sd_ratio_ci_hand_values():
     assert math.isnan(st.sd_ratio_ci(0.2, 1, 0.1, 6)["low"]) and st.sd_ratio_ci(0.2, 3, 0.0, 6)["mean"] == math.inf
     with pytest.raises(ValueError, match="standard deviations"):
         st.sd_ratio_ci(-0.1, 3, 0.1, 3)
+
 
 ttt = load_benchmark("_ttt_report")
 
