@@ -68,7 +68,7 @@ def test_vllm_searchers_and_evals_serve_lora_adapters(tmp_path, cli, publish):
 
 
 def test_vllm_run_that_fails_leaves_nothing(tmp_path, cli):
-    """A run that stops with an error (non-finite steps, see test_e2e) while vLLM searchers generate."""
+    """A run that stops with an error (non-finite steps, see test_e2e_faults) while vLLM searchers generate."""
     out = tmp_path / "nan"
     r = cli.run([*VLLM, "--max-steps", "20", "--trainer.lr", "1e30", "--trainer.weight_decay", "0.1",
                  "--trainer.max_consecutive_skips", "1", "--trainer.sync_period", "100", "--output-dir", str(out)])
