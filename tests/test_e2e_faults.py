@@ -1,7 +1,8 @@
 """End to end through the CLI and real Ray: a failing or hanging part of a run (a searcher killed, hung or
 raising, every reward failing, non-finite steps) is contained, counted and recovered from, or stops the run
-with one line and a checkpoint. Faults are real signals, or injected into the real runtime by
-``conftest.patched_env``; no mocks. (Stopping the whole run in each phase: tests/test_fault_injection.py.)"""
+with one line and a checkpoint. Faults are real signals, an absurd learning rate, or code injected into the
+real runtime by ``conftest.patched_env``; no mocks. (Stopping the whole run in each phase:
+tests/test_fault_injection.py.)"""
 
 from __future__ import annotations
 
