@@ -204,7 +204,7 @@ def test_trainer_mfu_and_engine_tokens_per_s_against_the_gpus_bf16_peak(model_pa
     assert all(r["engine_tokens_per_s"] > 0 for r in rows)
 
 
-def test_data_parallel_trainer_with_one_rank_on_nccl(model_path, tokenizer):
+def test_data_parallel_trainer_with_one_rank_on_nccl(model_path):
     """The data-parallel trainer (``trainer.num_workers``) as one rank of an NCCL process group on the GPU: its
     path (log-probs gathered over the ranks, gradients summed with NCCL all-reduces, bf16 autocast, micro
     batches of 3) takes the plain trainer's step on the same batch. No Ray: the group is this process."""
@@ -216,7 +216,7 @@ def test_data_parallel_trainer_with_one_rank_on_nccl(model_path, tokenizer):
 
     cfg = _cfg()
     cfg.trainer.micro_batch_size, cfg.trainer.prompts_per_step = 3, 4
-    batch = make_batch(load_causal_lm(model_path, torch.float32, 2), tokenizer)
+    batch = make_batch(load_causal_lm(model_path, torch.float32, 2))
     after = []
     for distributed in (False, True):
         if distributed:
