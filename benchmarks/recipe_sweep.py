@@ -147,6 +147,28 @@ def latest_by_cell(records: list[dict]) -> dict[tuple, dict]:
     return {cell_key(r): r for r in records if not r.get("error") and r.get("accuracy") is not None}
 
 
+def gen_dtype(rec: dict) -> str:
+    """The dtype a cell's searchers and evals generated in: its record's ``gen_dtype`` (recorded since
+    2026-12-07), else read off its committed curve: with ``model.dtype: auto`` a CPU with AVX512/AMX generates
+    in bfloat16 against the float32 trainer, so the sync check's ``sync/logprob_gap`` has a median of 0.03-0.05
+    there and exactly 0 in float32; ``"unrecorded"`` without either. Cells of different dtypes are not paired
+    evidence: on the 2-digit chain_sum eval the base model alone scores 0.0975 in bfloat16, 0.070 in float32."""
+    import gzip
+    import json
+    import statistics
+
+    if rec.get("gen_dtype"):
+        return rec["gen_dtype"]
+    curve = Path(rec.get("curve") or "")
+    if not curve.is_file():
+        return "unrecorded"
+    with gzip.open(curve, "rt") as f:
+        gaps = [m["sync/logprob_gap"] for m in map(json.loads, f) if "sync/logprob_gap" in m]
+    if not gaps:
+        return "unrecorded"
+    return "bfloat16" if statistics.median(gaps) > 1e-3 else "float32"
+
+
 def base_accuracy(records: list[dict]) -> float | None:
     """The base model's accuracy, from the cell that measured it (None before one has)."""
     return next((r["base_accuracy"] for r in records if r.get("base_measured")), None)
@@ -156,7 +178,8 @@ def aggregate(records: list[dict]) -> list[dict]:
     """One row per (arm, k), in :data:`ARMS` order then k: ``final`` and ``last`` (mean_ci over seeds),
     ``gain`` (final minus the base: mean_ci), ``min_gain``, ``above`` (seeds with final > base), ``sd``
     (sample standard deviation of the final accuracy over seeds; NaN for one seed), ``late`` (:func:`late_gain`
-    over the seeds that have it: mean_ci, or None), ``seeds`` and ``train_s`` (median train seconds)."""
+    over the seeds that have it: mean_ci, or None), ``seeds``, ``train_s`` (median train seconds) and ``dtype``
+    (the cells' :func:`gen_dtype`, joined by "/" where they differ)."""
     import statistics
 
     base = base_accuracy(records)
@@ -175,7 +198,8 @@ def aggregate(records: list[dict]) -> list[dict]:
                      "min_gain": min(gains) if gains else None, "above": sum(g > 0 for g in gains),
                      "sd": statistics.stdev(finals) if len(finals) > 1 else float("nan"),
                      "late": mean_ci(lates) if lates else None,
-                     "train_s": statistics.median(r["train_wall_s"] for r in rs)})
+                     "train_s": statistics.median(r["train_wall_s"] for r in rs),
+                     "dtype": "/".join(sorted({gen_dtype(r) for r in rs}))})
     return rows
 
 
@@ -239,14 +263,14 @@ def format_report(records: list[dict], ref_records: list[dict] | None = None) ->
     base = base_accuracy(records)
     head = ["arm", "k", "final [95% CI]", f"last {LAST} evals [95% CI]", "gain over base [95% CI]", "smallest gain",
             "seeds above base", "sd over seeds", f"last {LAST} minus first third's evals [95% CI]",
-            "train s / cell"]
+            "train s / cell", "generation dtype"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = aggregate(records)
     for r in rows:
         lines.append("| " + " | ".join([
             r["arm"], str(r["k"]), _ci(r["final"]), _ci(r["last"]), _ci(r["gain"]),
             "n/a" if r["min_gain"] is None else f"{r['min_gain']:+.3f}", f"{r['above']}/{len(r['seeds'])}",
-            f"{r['sd']:.3f}", _ci(r["late"]), f"{r['train_s']:.0f}"]) + " |")
+            f"{r['sd']:.3f}", _ci(r["late"]), f"{r['train_s']:.0f}", r["dtype"]]) + " |")
     vs = versus_shipped(records)
     if vs:
         lines += ["", f"Paired by seed: each arm's last-{LAST}-evals score minus shipped's at the same k.", "",
@@ -268,6 +292,10 @@ def format_report(records: list[dict], ref_records: list[dict] | None = None) ->
              "paired seeds."]
     if base is not None:
         notes.append(f"Base model (before training): {base:.3f}.")
+    if len({d for r in rows for d in r["dtype"].split("/")}) > 1:
+        notes.append("Generation dtypes differ between cells (bfloat16 on CPUs with AVX512/AMX under model.dtype "
+                     "auto, else float32): the base was measured in one of them, and only cells of the same dtype "
+                     "are paired evidence.")
     failed = [r for r in records if r.get("error") and cell_key(r) not in latest_by_cell(records)]
     if failed:
         notes.append("Failed cells (not in the tables): " + ", ".join(
@@ -317,11 +345,16 @@ def run_cell(args, rec: dict, overrides: dict, out: Path) -> dict:
 
 def run_study(args) -> int:
     """Run every planned cell not yet in ``results.jsonl`` (with ``--resume``), then write the report."""
+    import torch
+
+    from tba.models import pick_dtype
+
     extra, base_cfg, out, previous = start_study(args, BENCH_DEFAULTS)
     steps = args.steps or base_cfg.trainer.max_steps
     setup = setup_id(args.config, steps, base_cfg.task.eval_size, extra)
     sync_periods = args.sync_periods or sorted({1, base_cfg.trainer.sync_period})
     cells = plan_cells(args.seeds, args.arms, sync_periods)
+    dtype = str(pick_dtype(base_cfg.model.dtype)).removeprefix("torch.")  # what this machine generates in
     done = {k for k in latest_by_cell(previous) if k[-1] == setup}
     base_done = any(r.get("base_measured") and r.get("setup") == setup for r in previous)
     print(f"recipe sweep: {len(cells)} cells ({len(done)} done), {steps} steps each, setup {setup}", flush=True)
@@ -335,7 +368,8 @@ def run_study(args) -> int:
         print(f"[{i}/{len(cells)}] {cell_name(c)} (elapsed {time.monotonic() - t0:.0f} s)", flush=True)
         overrides = cell_overrides(extra, c, steps, run_dir, measure_base=not base_done)
         rec: dict[str, Any] = {**c, "steps": steps, "setup": setup, "config": args.config, "overrides": overrides,
-                               "run_dir": str(run_dir), "cpus": os.cpu_count(),
+                               "run_dir": str(run_dir), "cpus": os.cpu_count(), "gen_dtype": dtype,
+                               "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         try:
             rec = run_cell(args, rec, overrides, out)

@@ -163,3 +163,31 @@ def test_late_gain_hand_computed(bench):
     (row,) = bench.aggregate(recs)
     assert row["late"]["mean"] == pytest.approx((0.18333 - 0.05) / 2, abs=1e-5) and row["late"]["n"] == 2
     assert "| 0.067 [" in bench.format_report(recs)
+
+
+def test_gen_dtype_from_the_record_else_from_the_curves_sync_gap(bench, tmp_path):
+    """The recorded dtype wins; else the median sync/logprob_gap of the curve: 0.03 (of 0, 0.03, 0.04: a
+    bfloat16 engine against the float32 trainer) -> bfloat16, 0 (of 0, 0, 0.01) -> float32."""
+    import gzip
+
+    def curve(name, gaps):
+        path = tmp_path / f"{name}.jsonl.gz"
+        with gzip.open(path, "wt") as f:
+            f.writelines(json.dumps({"step": i, "sync/logprob_gap": g}) + "\n" for i, g in enumerate(gaps))
+            f.write(json.dumps({"step": 9, "eval/accuracy": 0.5}) + "\n")  # records without the gap are skipped
+        return str(path)
+
+    assert bench.gen_dtype({"gen_dtype": "float32", "curve": curve("a", [0.0, 0.03, 0.04])}) == "float32"
+    assert bench.gen_dtype({"curve": curve("b", [0.0, 0.03, 0.04])}) == "bfloat16"
+    assert bench.gen_dtype({"curve": curve("c", [0.0, 0.0, 0.01])}) == "float32"
+    assert bench.gen_dtype({"curve": str(tmp_path / "missing.jsonl.gz")}) == bench.gen_dtype({}) == "unrecorded"
+
+
+def test_report_marks_cells_of_different_generation_dtypes(bench):
+    one = bench.format_report(RECORDS)
+    assert "| 300 | unrecorded |" in one and "Generation dtypes differ" not in one
+    mixed = [dict(r, gen_dtype="bfloat16" if r["seed"] == 0 else "float32") for r in RECORDS]
+    rows = {(r["arm"], r["k"]): r["dtype"] for r in bench.aggregate(mixed)}
+    assert rows == {("shipped", 1): "bfloat16/float32", ("const-0.05", 1): "bfloat16/float32",
+                    ("const-0.05", 2): "bfloat16"}
+    assert "Generation dtypes differ between cells" in bench.format_report(mixed)
