@@ -24,7 +24,8 @@ Seeds ``run.seed`` are paired (every arm and k of a seed shares them) and every 
 held-out problems (``task.seed``) every ``run.eval_every`` steps (default here: 10) and after training. A
 cell's scores are its final eval and the mean of its last 3 evals (the final one included), which is less
 noisy than one eval. The base model's accuracy is measured once (greedy decoding of the unchanged model gives
-the same number in every cell). Screen on 2 seeds, then confirm the survivors on at least 5.
+the same number in every cell of one generation dtype, but not across dtypes: see :func:`gen_dtype`). Screen on
+2 seeds, then confirm the survivors on at least 5.
 
 Statistics (``_stats``): per arm and k, the mean of each score over seeds with a 95% Student-t interval, the
 gain over the base with its interval, the smallest gain over seeds, how many seeds ended above the base, and
@@ -32,8 +33,8 @@ the standard deviation over seeds; per arm, the paired difference of its last-3 
 the same k; per arm and k with at least 5 seeds, issue 25's bar for shipping (:func:`shipping_bar`). Every
 finished cell is appended to ``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl`` (every step and every
 eval) kept as ``<out>/curves/<cell>.jsonl.gz`` (``_common.write_jsonl_gz``), so ``--resume`` skips finished
-cells and a later analysis can be recomputed. Each record holds the cell's compute and the load average
-around it.
+cells and a later analysis can be recomputed. Each record holds the cell's compute, the load average around
+it, the generation dtype and the CPU's capability (``torch.backends.cpu.get_cpu_capability``).
 
 Commands (repository root, venv active)
 ---------------------------------------
