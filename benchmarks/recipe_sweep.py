@@ -149,11 +149,11 @@ def latest_by_cell(records: list[dict]) -> dict[tuple, dict]:
 
 
 def gen_dtype(rec: dict) -> str:
-    """The dtype a cell's searchers and evals generated in: its record's ``gen_dtype`` (recorded since
-    2026-12-07), else read off its committed curve: with ``model.dtype: auto`` a CPU with AVX512/AMX generates
-    in bfloat16 against the float32 trainer, so the sync check's ``sync/logprob_gap`` is bfloat16 rounding
-    (median above 1e-3) there and exactly 0 in float32; ``"unrecorded"`` without either. Cells of different dtypes are not paired
-    evidence: the base model alone scores differently in the two (benchmarks/README.md, headroom caveat)."""
+    """The dtype a cell's searchers and evals generated in: its record's ``gen_dtype`` (recorded since 2026-12-07),
+    else read off its committed curve: with ``model.dtype: auto`` a CPU with AVX512/AMX generates in bfloat16
+    against the float32 trainer, so the sync check's ``sync/logprob_gap`` is bfloat16 rounding (median above
+    1e-3) there and exactly 0 in float32; ``"unrecorded"`` without either. Cells of different dtypes are not
+    paired evidence: the base model alone scores differently in the two (benchmarks/README.md, headroom caveat)."""
     import gzip
     import json
     import statistics
