@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # _common, _stats, als
 from _common import (
     append_result,
     error_line,
+    read_jsonl_gz,
     read_results,
     setup_id,
     start_study,
@@ -154,8 +155,6 @@ def gen_dtype(rec: dict) -> str:
     against the float32 trainer, so the sync check's ``sync/logprob_gap`` is bfloat16 rounding (median above
     1e-3) there and exactly 0 in float32; ``"unrecorded"`` without either. Cells of different dtypes are not
     paired evidence: the base model alone scores differently in the two (benchmarks/README.md, headroom caveat)."""
-    import gzip
-    import json
     import statistics
 
     if rec.get("gen_dtype"):
@@ -163,8 +162,7 @@ def gen_dtype(rec: dict) -> str:
     curve = Path(rec.get("curve") or "")
     if not curve.is_file():
         return "unrecorded"
-    with gzip.open(curve, "rt") as f:
-        gaps = [m["sync/logprob_gap"] for m in map(json.loads, f) if "sync/logprob_gap" in m]
+    gaps = [m["sync/logprob_gap"] for m in read_jsonl_gz(curve) if "sync/logprob_gap" in m]
     if not gaps:
         return "unrecorded"
     return "bfloat16" if statistics.median(gaps) > 1e-3 else "float32"
