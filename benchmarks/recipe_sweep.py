@@ -27,10 +27,11 @@ noisy than one eval. The base model's accuracy is measured once (greedy decoding
 the same number in every cell of one generation dtype, but not across dtypes: see :func:`gen_dtype`). Screen on
 2 seeds, then confirm the survivors on at least 5.
 
-Statistics (``_stats``): per arm and k, the mean of each score over seeds with a 95% Student-t interval, the
-gain over the base with its interval, the smallest gain over seeds, how many seeds ended above the base, and
-the standard deviation over seeds; per arm, the paired difference of its last-3 score from ``shipped``'s at
-the same k; per arm and k with at least 5 seeds, issue 25's bar for shipping (:func:`shipping_bar`). Every
+Statistics (``_stats``): per arm, k and generation dtype, the mean of each score over seeds with a 95%
+Student-t interval, the gain over the base measured in that dtype with its interval, the smallest gain over
+seeds, how many seeds ended above the base, and the standard deviation over seeds; per arm, the paired
+difference of both scores from ``shipped``'s (``--versus``) at the same k and dtype; per arm and k with at
+least 5 seeds, issue 25's bar for shipping (:func:`shipping_bar`). Every
 finished cell is appended to ``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl`` (every step and every
 eval) kept as ``<out>/curves/<cell>.jsonl.gz`` (``_common.write_jsonl_gz``), so ``--resume`` skips finished
 cells and a later analysis can be recomputed. Each record holds the cell's compute, the load average around
@@ -48,7 +49,8 @@ The screen (2 CPU cores: about 6 minutes a cell; 11 arms x 2 sync periods x 2 se
 
     python benchmarks/recipe_sweep.py --seeds 0 1 --resume --out benchmarks/results/recipe_sweep
 
-``--report-only`` rebuilds ``table.md`` from ``results.jsonl``. ``--spread-ref DIR`` takes the bar's spread
+``--report-only`` rebuilds ``table.md`` from ``results.jsonl``; ``--merge DIR...`` adds other sweeps' cells of
+the same config and steps (:func:`merge_records`). ``--spread-ref DIR`` takes the bar's spread
 reference (``const-0.05``) from another sweep's results, e.g. beta arms run with ``--set trainer.lr=...`` in a
 directory of their own.
 """
@@ -168,76 +170,127 @@ def gen_dtype(rec: dict) -> str:
     return "bfloat16" if statistics.median(gaps) > 1e-3 else "float32"
 
 
-def base_accuracy(records: list[dict]) -> float | None:
-    """The base model's accuracy, from the cell that measured it (None before one has)."""
-    return next((r["base_accuracy"] for r in records if r.get("base_measured")), None)
+def bases(records: list[dict]) -> dict[str, float]:
+    """Generation dtype -> the base model's accuracy measured in it (the first cell's that measured one)."""
+    out: dict[str, float] = {}
+    for r in records:
+        if r.get("base_measured"):
+            out.setdefault(gen_dtype(r), r["base_accuracy"])
+    return out
+
+
+#: a cell's own overrides (:func:`cell_overrides`); with the arm's, what :func:`settings` leaves out
+CELL_KEYS = {"trainer.sync_period", "run.seed", "trainer.max_steps", "run.output_dir", "run.eval_before",
+             "run.eval_after"}
+
+
+def settings(rec: dict) -> dict:
+    """What a cell's sweep set for all its cells (``--set`` and the bench defaults): its overrides less the arm's,
+    the cell's own and ``model.dtype`` (its effect is the cell's :func:`gen_dtype`, a column of its own)."""
+    arm = ARMS.get(rec["arm"], {})
+    return {k: v for k, v in rec.get("overrides", {}).items()
+            if k not in arm and k not in CELL_KEYS and k != "model.dtype"}
+
+
+def merge_records(records: list[dict], other: list[dict], where: str) -> list[dict]:
+    """``records`` and another sweep's ``other`` in one list, for one report. Where the other sweep's
+    :func:`settings` differ from this one's, its arms are renamed ``ARM [key=value, ...]`` (the differing
+    settings; ``default`` where it left one unset), so cells of different recipes share no row and no pair.
+    Raises SystemExit naming ``where`` if the other sweep ran another config or number of steps."""
+    def shared(rs: list[dict]) -> set:
+        return {(r.get("config"), r.get("steps")) for r in rs if "steps" in r}
+
+    if records and shared(other) - shared(records):
+        raise SystemExit(f"--merge {where}: its cells ran (config, steps) {sorted(shared(other), key=str)}, this "
+                         f"sweep's {sorted(shared(records), key=str)}; merge sweeps of the same config and steps")
+    mine = next((settings(r) for r in records if "overrides" in r), {})
+    out = list(records)
+    for r in other:
+        diff = {k: v for k, v in settings(r).items() if mine.get(k) != v}
+        diff.update({k: "default" for k in mine if k not in settings(r)})
+        arm = r["arm"] + (" [" + ", ".join(f"{k}={v}" for k, v in sorted(diff.items())) + "]" if diff else "")
+        out.append(dict(r, arm=arm))
+    return out
+
+
+def _order(arm: str) -> tuple:
+    """Rows in :data:`ARMS` order; arms renamed by :func:`merge_records` after their own arm."""
+    order = list(ARMS)
+    name = arm.split(" [")[0]
+    return (order.index(name) if name in order else len(order), arm)
 
 
 def aggregate(records: list[dict]) -> list[dict]:
-    """One row per (arm, k), in :data:`ARMS` order then k: ``final`` and ``last`` (mean_ci over seeds),
-    ``gain`` (final minus the base: mean_ci), ``min_gain``, ``above`` (seeds with final > base), ``sd``
-    (sample standard deviation of the final accuracy over seeds; NaN for one seed), ``late`` (:func:`late_gain`
-    over the seeds that have it: mean_ci, or None), ``seeds``, ``train_s`` (median train seconds) and ``dtype``
-    (the cells' :func:`gen_dtype`, joined by "/" where they differ)."""
+    """One row per (arm, k, generation dtype), in :data:`ARMS` order, then k, then dtype: ``final`` and
+    ``last`` (mean_ci over seeds), ``gain`` (final minus the base measured in the row's dtype: mean_ci; None
+    without one), ``min_gain``, ``above`` (seeds with final > base; None without a base), ``sd`` (sample
+    standard deviation of the final accuracy over seeds; NaN for one seed), ``late`` (:func:`late_gain` over
+    the seeds that have it: mean_ci, or None), ``seeds``, ``train_s`` (median train seconds) and ``dtype``
+    (:func:`gen_dtype`). Cells of different dtypes never share a row: the base model alone scores differently
+    in them (:func:`gen_dtype`)."""
     import statistics
 
-    base = base_accuracy(records)
+    base_of = bases(records)
     cells: dict[tuple, list[dict]] = {}
     for (arm, k, _, _), r in sorted(latest_by_cell(records).items(), key=lambda kv: kv[0][2]):
-        cells.setdefault((arm, k), []).append(r)
-    order = {a: i for i, a in enumerate(ARMS)}
+        cells.setdefault((arm, k, gen_dtype(r)), []).append(r)
     rows = []
-    for (arm, k), rs in sorted(cells.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0][1])):
+    for (arm, k, dtype), rs in sorted(cells.items(), key=lambda kv: (_order(kv[0][0]), kv[0][1], kv[0][2])):
         finals = [r["accuracy"] for r in rs]
+        base = base_of.get(dtype)
         gains = [f - base for f in finals] if base is not None else []
         lates = [g for g in (late_gain([tuple(p) for p in r["evals"]], r["steps"]) for r in rs if r.get("evals"))
                  if g is not None]
         rows.append({"arm": arm, "k": k, "seeds": [r["seed"] for r in rs], "final": mean_ci(finals),
                      "last": mean_ci([r["last_mean"] for r in rs]), "gain": mean_ci(gains) if gains else None,
-                     "min_gain": min(gains) if gains else None, "above": sum(g > 0 for g in gains),
+                     "min_gain": min(gains) if gains else None,
+                     "above": sum(g > 0 for g in gains) if gains else None,
                      "sd": statistics.stdev(finals) if len(finals) > 1 else float("nan"),
                      "late": mean_ci(lates) if lates else None,
-                     "train_s": statistics.median(r["train_wall_s"] for r in rs),
-                     "dtype": "/".join(sorted({gen_dtype(r) for r in rs}))})
+                     "train_s": statistics.median(r["train_wall_s"] for r in rs), "dtype": dtype})
     return rows
 
 
-def versus_shipped(records: list[dict]) -> list[dict]:
-    """Per arm and k other than ``shipped``: the paired difference (arm minus shipped) of the last-evals score
-    over the seeds both ran."""
+def versus(records: list[dict], ref: str = "shipped") -> list[dict]:
+    """Per (arm, k, generation dtype) other than the ``ref`` arm's: the paired differences (arm minus ``ref``)
+    over the seeds both ran at that k in that dtype, of the final eval (``final``) and of the last-evals score
+    (``last``), each a :func:`_stats.paired_difference_ci`. Rows without a partner seed are left out."""
     cells = latest_by_cell(records)
-    order = {a: i for i, a in enumerate(ARMS)}
-    out = []
-    for arm, k in sorted({(a, k) for a, k, _, _ in cells if a != "shipped"},
-                         key=lambda ak: (order.get(ak[0], len(order)), ak[1])):
-        pairs = [(r["last_mean"], cells[("shipped", k, s, setup)]["last_mean"])
-                 for (a, kk, s, setup), r in cells.items()
-                 if (a, kk) == (arm, k) and ("shipped", k, s, setup) in cells]
-        if pairs:
-            out.append({"arm": arm, "k": k, "diff": paired_difference_ci(*zip(*pairs))})
-    return out
+    partner = {(k, s, gen_dtype(r)): r for (a, k, s, _), r in cells.items() if a == ref}
+    groups: dict[tuple, list[tuple[dict, dict]]] = {}
+    for (arm, k, s, _), r in sorted(cells.items(), key=lambda kv: kv[0][2]):
+        dtype = gen_dtype(r)
+        if arm != ref and (k, s, dtype) in partner:
+            groups.setdefault((arm, k, dtype), []).append((r, partner[(k, s, dtype)]))
+    return [{"arm": arm, "k": k, "dtype": dtype, "seeds": [r["seed"] for r, _ in pairs],
+             "final": paired_difference_ci([r["accuracy"] for r, _ in pairs], [p["accuracy"] for _, p in pairs]),
+             "last": paired_difference_ci([r["last_mean"] for r, _ in pairs], [p["last_mean"] for _, p in pairs])}
+            for (arm, k, dtype), pairs in sorted(groups.items(), key=lambda kv: (_order(kv[0][0]), *kv[0][1:]))]
 
 
 def shipping_bar(rows: list[dict], ref_rows: list[dict] | None = None) -> list[dict]:
     """Issue 25's bar for a recipe to ship, from :func:`aggregate`'s ``rows``, per arm and k measured on at
     least :data:`MIN_SEEDS` seeds: every seed's final eval above the base (``all_above``), the 95% lower bound
     of the mean gain above 0 (``low_above_0``), and the spread over seeds (sample sd of the final eval) no
-    larger than :data:`SPREAD_ARM`'s at the same k (``spread_ok``; None while that arm has fewer seeds). The
+    larger than :data:`SPREAD_ARM`'s at the same k and generation dtype (``spread_ok``; None while that arm has
+    fewer seeds there). The
     reference comes from ``ref_rows`` (another sweep's :func:`aggregate`, e.g. the beta arms run at a changed
     lr in their own directory) where given, else from ``rows``. ``meets``: False if any check fails, None if
     none fails but one is undecided, else True. ``sd_ratio``: this sd over the reference's with its 95% F
     interval (:func:`sd_ratio_ci`, seeds taken as independent), None without a reference."""
     judged = [r for r in rows if len(r["seeds"]) >= MIN_SEEDS and r["gain"] is not None]
     refs = [r for r in (rows if ref_rows is None else ref_rows) if len(r["seeds"]) >= MIN_SEEDS]
-    ref_spread = {r["k"]: (r["sd"], len(r["seeds"])) for r in refs if r["arm"] == SPREAD_ARM}  # k -> (sd, seeds)
+    # (k, dtype) -> (sd, seeds): spreads compare within one sync period and one generation dtype
+    ref_spread = {(r["k"], r["dtype"]): (r["sd"], len(r["seeds"])) for r in refs if r["arm"] == SPREAD_ARM}
     out = []
     for r in judged:
-        ref = ref_spread.get(r["k"])
+        ref = ref_spread.get((r["k"], r["dtype"]))
         spread_ok = None if ref is None else r["sd"] <= ref[0]
         checks = {"all_above": r["above"] == len(r["seeds"]), "low_above_0": r["gain"]["low"] > 0,
                   "spread_ok": spread_ok}
         meets = False if False in checks.values() else None if None in checks.values() else True
-        out.append({"arm": r["arm"], "k": r["k"], "seeds": len(r["seeds"]), **checks, "meets": meets,
+        out.append({"arm": r["arm"], "k": r["k"], "dtype": r["dtype"], "seeds": len(r["seeds"]), **checks,
+                    "meets": meets,
                     "sd_ratio": None if ref is None else sd_ratio_ci(r["sd"], len(r["seeds"]), *ref)})
     return out
 
@@ -256,10 +309,10 @@ def _ratio(x: dict | None) -> str:
     return f"{x['mean']:.2f} [{x['low']:.2f}, {x['high']:.2f}]"
 
 
-def format_report(records: list[dict], ref_records: list[dict] | None = None) -> str:
-    """Markdown: the cells (scores, gain over the base, reliability), each arm against ``shipped``, then
-    :func:`shipping_bar` (its spread reference from ``ref_records`` where given)."""
-    base = base_accuracy(records)
+def format_report(records: list[dict], ref_records: list[dict] | None = None, ref_arm: str = "shipped") -> str:
+    """Markdown: the cells (scores, gain over the base, reliability; one row per arm, k and generation dtype),
+    each arm against ``ref_arm`` (:func:`versus`), then :func:`shipping_bar` (its spread reference from
+    ``ref_records`` where given)."""
     head = ["arm", "k", "final [95% CI]", f"last {LAST} evals [95% CI]", "gain over base [95% CI]", "smallest gain",
             "seeds above base", "sd over seeds", f"last {LAST} minus first third's evals [95% CI]",
             "train s / cell", "generation dtype"]
@@ -268,33 +321,40 @@ def format_report(records: list[dict], ref_records: list[dict] | None = None) ->
     for r in rows:
         lines.append("| " + " | ".join([
             r["arm"], str(r["k"]), _ci(r["final"]), _ci(r["last"]), _ci(r["gain"]),
-            "n/a" if r["min_gain"] is None else f"{r['min_gain']:+.3f}", f"{r['above']}/{len(r['seeds'])}",
+            "n/a" if r["min_gain"] is None else f"{r['min_gain']:+.3f}",
+            "n/a" if r["above"] is None else f"{r['above']}/{len(r['seeds'])}",
             f"{r['sd']:.3f}", _ci(r["late"]), f"{r['train_s']:.0f}", r["dtype"]]) + " |")
-    vs = versus_shipped(records)
+    vs = versus(records, ref_arm)
     if vs:
-        lines += ["", f"Paired by seed: each arm's last-{LAST}-evals score minus shipped's at the same k.", "",
-                  "| arm | k | minus shipped [95% CI] |", "|---|---|---|"]
-        lines += [f"| {v['arm']} | {v['k']} | {_ci(v['diff'])} |" for v in vs]
+        lines += ["", f"Paired by seed, within a sync period and a generation dtype: each arm minus {ref_arm}.", "",
+                  f"| arm | k | generation dtype | seeds | final minus {ref_arm}'s [95% CI] | last {LAST} evals minus "
+                  f"{ref_arm}'s [95% CI] |", "|" + "---|" * 6]
+        lines += [f"| {v['arm']} | {v['k']} | {v['dtype']} | {' '.join(map(str, v['seeds']))} | {_ci(v['final'])} | "
+                  f"{_ci(v['last'])} |" for v in vs]
     bar = shipping_bar(rows, None if ref_records is None else aggregate(ref_records))
     if bar:
         yes = {True: "yes", False: "no", None: "n/a"}
         ref = "" if ref_records is None else " in the --spread-ref sweep"
         lines += ["", f"The bar to ship (issue 25), arms with at least {MIN_SEEDS} seeds: every seed ends above the "
                   f"base, the gain's 95% lower bound is above 0, the spread over seeds is no larger than "
-                  f"{SPREAD_ARM}'s{ref} (n/a: that arm has fewer than {MIN_SEEDS} seeds at this k). The sd "
-                  "ratio's interval is Fisher's F, taking the two arms' seeds as independent.", "",
-                  "| arm | k | seeds | every seed above base | gain's lower bound > 0 | sd <= "
-                  f"{SPREAD_ARM}'s | meets the bar | sd / {SPREAD_ARM}'s [95% CI] |", "|" + "---|" * 8]
-        lines += [f"| {b['arm']} | {b['k']} | {b['seeds']} | {yes[b['all_above']]} | {yes[b['low_above_0']]} | "
-                  f"{yes[b['spread_ok']]} | {yes[b['meets']]} | {_ratio(b['sd_ratio'])} |" for b in bar]
+                  f"{SPREAD_ARM}'s{ref} at the same k and dtype (n/a: that arm has fewer than {MIN_SEEDS} seeds "
+                  "there). The sd ratio's interval is Fisher's F, taking the two arms' seeds as independent.", "",
+                  "| arm | k | generation dtype | seeds | every seed above base | gain's lower bound > 0 | sd <= "
+                  f"{SPREAD_ARM}'s | meets the bar | sd / {SPREAD_ARM}'s [95% CI] |", "|" + "---|" * 9]
+        lines += [f"| {b['arm']} | {b['k']} | {b['dtype']} | {b['seeds']} | {yes[b['all_above']]} | "
+                  f"{yes[b['low_above_0']]} | {yes[b['spread_ok']]} | {yes[b['meets']]} | {_ratio(b['sd_ratio'])} |"
+                  for b in bar]
     notes = ["Accuracy: greedy, on the same held-out problems in every cell; intervals are 95% Student-t over "
              "paired seeds."]
-    if base is not None:
-        notes.append(f"Base model (before training): {base:.3f}.")
-    if len({d for r in rows for d in r["dtype"].split("/")}) > 1:
+    base_of = bases(records)
+    if base_of:
+        notes.append("Base model (before training): " + ", ".join(
+            f"{b:.3f}" + ("" if d == "unrecorded" else f" in {d}") for d, b in sorted(base_of.items())) + ".")
+    if len({r["dtype"] for r in rows}) > 1:
         notes.append("Generation dtypes differ between cells (bfloat16 on CPUs with AVX512/AMX under model.dtype "
-                     "auto, else float32): the base was measured in one of them, and only cells of the same dtype "
-                     "are paired evidence.")
+                     "auto, else float32), and the base model alone scores differently in them: each row holds one "
+                     "dtype, its gain is taken against the base measured in that dtype (n/a without one), and "
+                     "seeds are paired within a dtype only.")
     failed = [r for r in records if r.get("error") and cell_key(r) not in latest_by_cell(records)]
     if failed:
         notes.append("Failed cells (not in the tables): " + ", ".join(
@@ -302,11 +362,16 @@ def format_report(records: list[dict], ref_records: list[dict] | None = None) ->
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
-def report(out: Path, spread_ref: Path | None = None) -> str:
-    """Write ``table.md`` from ``<out>/results.jsonl`` (the bar's spread reference from
-    ``<spread_ref>/results.jsonl`` where given); return it."""
+def report(out: Path, spread_ref: Path | None = None, merge: list[Path] = (), ref_arm: str = "shipped") -> str:
+    """Write ``table.md`` from ``<out>/results.jsonl`` and the ``results.jsonl`` of each sweep in ``merge``
+    (:func:`merge_records`; same config and steps), the bar's spread reference from
+    ``<spread_ref>/results.jsonl`` where given, each arm paired against ``ref_arm``; return it."""
+    records = read_results(out / "results.jsonl")
+    for d in merge:
+        records = merge_records(records, read_results(Path(d) / "results.jsonl"), str(d))
+    records = [dict(r, gen_dtype=gen_dtype(r)) for r in records]  # each curve is read once
     ref = None if spread_ref is None else read_results(Path(spread_ref) / "results.jsonl")
-    table = format_report(read_results(out / "results.jsonl"), ref)
+    table = format_report(records, ref, ref_arm)
     (out / "table.md").write_text(table)
     return table
 
@@ -355,7 +420,8 @@ def run_study(args) -> int:
     cells = plan_cells(args.seeds, args.arms, sync_periods)
     dtype = str(pick_dtype(base_cfg.model.dtype)).removeprefix("torch.")  # what this machine generates in
     done = {k for k in latest_by_cell(previous) if k[-1] == setup}
-    base_done = any(r.get("base_measured") and r.get("setup") == setup for r in previous)
+    # the base model is measured once per generation dtype: it scores differently in bfloat16 and float32
+    base_done = any(r.get("base_measured") and r.get("setup") == setup and gen_dtype(r) == dtype for r in previous)
     print(f"recipe sweep: {len(cells)} cells ({len(done)} done), {steps} steps each, setup {setup}", flush=True)
     t0 = time.monotonic()
     for i, c in enumerate(cells, 1):
@@ -376,9 +442,9 @@ def run_study(args) -> int:
             print("\ninterrupted; finished cells are in results.jsonl (continue with --resume)", file=sys.stderr)
             return 130
         base_done = base_done or bool(rec.get("base_measured"))
-        report(out, args.spread_ref)
+        report(out, args.spread_ref, args.merge, args.versus)
     print(f"sweep finished in {time.monotonic() - t0:.0f} s\n", flush=True)
-    print(report(out, args.spread_ref), flush=True)
+    print(report(out, args.spread_ref, args.merge, args.versus), flush=True)
     return 0
 
 
@@ -391,12 +457,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spread-ref", type=Path, default=None, metavar="DIR",
                    help=f"judge the shipping bar's spread against {SPREAD_ARM} in this sweep's results "
                         "(default: this one's)")
+    p.add_argument("--merge", type=Path, nargs="+", default=[], metavar="DIR",
+                   help="report these sweeps' cells too (same config and steps; arms whose --set differs are "
+                        "renamed 'ARM [key=value]')")
+    p.add_argument("--versus", default="shipped", metavar="ARM",
+                   help="the arm every other is paired against (default: shipped)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return study_main(args, run_study, lambda out: report(out, args.spread_ref))
+    return study_main(args, run_study, lambda out: report(out, args.spread_ref, args.merge, args.versus))
 
 
 if __name__ == "__main__":

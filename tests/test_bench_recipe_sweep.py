@@ -84,11 +84,15 @@ def test_aggregate_hand_computed(bench):
     assert rows[("const-0.05", 2)]["seeds"] == [0] and math.isnan(rows[("const-0.05", 2)]["sd"])
 
 
-def test_versus_shipped_pairs_by_seed_and_k(bench):
-    """const-0.05 minus shipped, last-3 scores, seed 0: 0.45 - 0.25 = 0.20, seed 1: 0.55 - 0.45 = 0.10."""
-    (v,) = bench.versus_shipped(RECORDS)
-    assert (v["arm"], v["k"], v["diff"]["n"]) == ("const-0.05", 1, 2)
-    assert v["diff"]["mean"] == pytest.approx(0.15)
+def test_versus_pairs_by_seed_and_k(bench):
+    """const-0.05 minus shipped at k = 1: last-3 scores 0.45 - 0.25 = 0.20 (seed 0) and 0.55 - 0.45 = 0.10
+    (seed 1), mean 0.15; finals 0.45 - 0.20 = 0.25 and 0.40 - 0.50 = -0.10, mean 0.075. Against const-0.05,
+    shipped's differences are the negatives, and const-0.05 at k = 2 has no partner at k = 2."""
+    (v,) = bench.versus(RECORDS)
+    assert (v["arm"], v["k"], v["seeds"]) == ("const-0.05", 1, [0, 1])
+    assert (v["last"]["mean"], v["final"]["mean"]) == (pytest.approx(0.15), pytest.approx(0.075))
+    (w,) = bench.versus(RECORDS, "const-0.05")
+    assert (w["arm"], w["k"], w["last"]["mean"]) == ("shipped", 1, pytest.approx(-0.15))
 
 
 def test_report_names_the_failed_cell_and_the_base(bench, tmp_path):
@@ -124,7 +128,7 @@ def test_shipping_bar_hand_computed(bench):
     rows = {(r["arm"], r["k"]): r for r in bench.aggregate(recs)}
     assert rows[("shipped", 1)]["gain"]["low"] == pytest.approx(0.0492, abs=1e-4)
     assert rows[("const-0.05", 1)]["sd"] == pytest.approx(0.03162, abs=1e-5)
-    assert "| shipped | 1 | 5 | yes | yes | no | no |" in bench.format_report(recs)
+    assert "| shipped | 1 | unrecorded | 5 | yes | yes | no | no |" in bench.format_report(recs)
 
 
 def test_shipping_bar_spread_reference_from_another_sweep(bench, tmp_path):
@@ -146,8 +150,11 @@ def test_shipping_bar_spread_reference_from_another_sweep(bench, tmp_path):
     for d, rs in ((out, recs), (ref, wide)):
         d.mkdir()
         (d / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
-    assert "| lr3e-6 | 2 | 5 | yes | yes | n/a | n/a | n/a |" in bench.report(out)
-    assert "| lr3e-6 | 2 | 5 | yes | yes | yes | yes | 0.55 [0.18, 1.72] |" in bench.report(out, ref)
+    assert "| lr3e-6 | 2 | unrecorded | 5 | yes | yes | n/a | n/a | n/a |" in bench.report(out)
+    assert "| lr3e-6 | 2 | unrecorded | 5 | yes | yes | yes | yes | 0.55 [0.18, 1.72] |" in bench.report(out, ref)
+    # a reference of another generation dtype is no reference
+    other = bench.aggregate([dict(r, gen_dtype="float32") for r in wide])
+    assert bench.shipping_bar(bench.aggregate(recs), other)[0]["spread_ok"] is None
 
 
 def test_late_gain_hand_computed(bench):
@@ -183,11 +190,50 @@ def test_gen_dtype_from_the_record_else_from_the_curves_sync_gap(bench, tmp_path
     assert bench.gen_dtype({"curve": str(tmp_path / "missing.jsonl.gz")}) == bench.gen_dtype({}) == "unrecorded"
 
 
-def test_report_marks_cells_of_different_generation_dtypes(bench):
+def test_cells_of_different_generation_dtypes_share_no_row_base_or_pair(bench):
+    """Seed 0 in bfloat16 (its shipped cell measured the base, 0.30), seed 1 in float32 (no base measured):
+    every (arm, k) splits by dtype; seed 0's gains are taken against 0.30 (shipped 0.20 - 0.30 = -0.10), seed
+    1's have no base (n/a); const-0.05 pairs with shipped within each dtype only (one seed each: 0.20, 0.10).
+    A float32 base of 0.35 then gives seed 1's shipped cell 0.50 - 0.35 = +0.15."""
     one = bench.format_report(RECORDS)
     assert "| 300 | unrecorded |" in one and "Generation dtypes differ" not in one
     mixed = [dict(r, gen_dtype="bfloat16" if r["seed"] == 0 else "float32") for r in RECORDS]
-    rows = {(r["arm"], r["k"]): r["dtype"] for r in bench.aggregate(mixed)}
-    assert rows == {("shipped", 1): "bfloat16/float32", ("const-0.05", 1): "bfloat16/float32",
-                    ("const-0.05", 2): "bfloat16"}
-    assert "Generation dtypes differ between cells" in bench.format_report(mixed)
+    rows = {(r["arm"], r["k"], r["dtype"]): r for r in bench.aggregate(mixed)}
+    assert list(rows) == [("shipped", 1, "bfloat16"), ("shipped", 1, "float32"), ("const-0.05", 1, "bfloat16"),
+                          ("const-0.05", 1, "float32"), ("const-0.05", 2, "bfloat16")]
+    assert rows[("shipped", 1, "bfloat16")]["gain"]["mean"] == pytest.approx(-0.10)
+    assert rows[("shipped", 1, "float32")]["gain"] is None and rows[("shipped", 1, "float32")]["above"] is None
+    pairs = {(v["arm"], v["dtype"]): (v["seeds"], v["last"]["mean"]) for v in bench.versus(mixed)}
+    assert pairs == {("const-0.05", "bfloat16"): ([0], pytest.approx(0.20)),
+                     ("const-0.05", "float32"): ([1], pytest.approx(0.10))}
+    table = bench.format_report(mixed)
+    assert "Generation dtypes differ between cells" in table
+    assert "Base model (before training): 0.300 in bfloat16." in table
+    mixed[1].update(base_accuracy=0.35, base_measured=True)
+    assert bench.aggregate(mixed)[1]["gain"]["mean"] == pytest.approx(0.15)
+    assert "0.300 in bfloat16, 0.350 in float32." in bench.format_report(mixed)
+
+
+def test_merge_renames_the_arms_of_a_sweep_with_other_settings(bench, tmp_path):
+    """A sweep that differs only in model.dtype merges as it is (its const-0.05 pairs with this sweep's
+    const-0.02 on seed 0: 0.40 - 0.45 = -0.05); one with another lr gets its arms renamed, so its const-0.05
+    is an arm of its own, paired against the first (0.30 - 0.45 = -0.15); one of another step count is refused,
+    naming its directory."""
+    def rec(arm, acc, over=(), **kw):
+        return _rec(arm, 0, acc, acc, k=2, steps=150, config="c.yaml", gen_dtype="float32",
+                    overrides={"trainer.lr": "3e-6", "run.seed": 0, **bench.ARMS[arm], **dict(over)}, **kw)
+
+    mine = [rec("const-0.02", 0.40, base_accuracy=0.1, base_measured=True)]
+    f32 = [rec("const-0.05", 0.45, {"model.dtype": "float32"})]
+    lr = [rec("const-0.05", 0.30, {"trainer.lr": "1e-5"})]
+    merged = bench.merge_records(bench.merge_records(mine, f32, "f32"), lr, "lr")
+    assert [r["arm"] for r in merged] == ["const-0.02", "const-0.05", "const-0.05 [trainer.lr=1e-5]"]
+    diffs = {v["arm"]: v["final"]["mean"] for v in bench.versus(merged, "const-0.05")}
+    assert diffs == {"const-0.02": pytest.approx(-0.05), "const-0.05 [trainer.lr=1e-5]": pytest.approx(-0.15)}
+    with pytest.raises(SystemExit, match="--merge other: .*150"):
+        bench.merge_records(mine, [dict(f32[0], steps=300)], "other")
+    for name, rs in (("a", mine), ("b", f32)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
+    table = bench.report(tmp_path / "a", merge=[tmp_path / "b"], ref_arm="const-0.05")
+    assert "| const-0.02 | 2 | float32 | 0 | -0.050 (n=1) | -0.050 (n=1) |" in table
