@@ -192,6 +192,16 @@ def settings(rec: dict) -> dict:
             if k not in arm and k not in CELL_KEYS and k != "model.dtype"}
 
 
+def other_dtype_note(previous: list[dict], setup: str, dtype: str) -> str | None:
+    """A line for a resumed sweep whose finished cells of ``setup`` generated in another dtype than this machine's
+    ``dtype`` (they are kept, and the new cells go to rows of their own: :func:`aggregate`); None when none did."""
+    other = sorted({gen_dtype(r) for r in latest_by_cell(previous).values() if r.get("setup") == setup} - {dtype})
+    if not other:
+        return None
+    return (f"note: finished cells generated in {', '.join(other)}, this machine generates in {dtype}; they are "
+            "kept and reported in rows of their own (--set model.dtype=... to match them)")
+
+
 def merge_records(records: list[dict], other: list[dict], where: str) -> list[dict]:
     """``records`` and another sweep's ``other`` in one list, for one report. Where the other sweep's
     :func:`settings` differ from this one's, its arms are renamed ``ARM [key=value, ...]`` (the differing
@@ -423,6 +433,8 @@ def run_study(args) -> int:
     # the base model is measured once per generation dtype: it scores differently in bfloat16 and float32
     base_done = any(r.get("base_measured") and r.get("setup") == setup and gen_dtype(r) == dtype for r in previous)
     print(f"recipe sweep: {len(cells)} cells ({len(done)} done), {steps} steps each, setup {setup}", flush=True)
+    if note := other_dtype_note(previous, setup, dtype):
+        print(note, flush=True)
     t0 = time.monotonic()
     for i, c in enumerate(cells, 1):
         if (c["arm"], c["k"], c["seed"], setup) in done:

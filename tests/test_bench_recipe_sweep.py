@@ -214,6 +214,14 @@ def test_cells_of_different_generation_dtypes_share_no_row_base_or_pair(bench):
     assert "0.300 in bfloat16, 0.350 in float32." in bench.format_report(mixed)
 
 
+def test_a_resumed_sweep_names_the_other_dtype_of_its_finished_cells(bench):
+    recs = [dict(r, gen_dtype="bfloat16") for r in RECORDS]
+    assert bench.other_dtype_note(recs, "abc", "bfloat16") is None
+    assert "generated in bfloat16, this machine generates in float32" in bench.other_dtype_note(recs, "abc",
+                                                                                                 "float32")
+    assert bench.other_dtype_note(recs, "other-setup", "float32") is None
+
+
 def test_merge_renames_the_arms_of_a_sweep_with_other_settings(bench, tmp_path):
     """A sweep that differs only in model.dtype merges as it is (its const-0.05 pairs with this sweep's
     const-0.02 on seed 0: 0.40 - 0.45 = -0.05); one with another lr gets its arms renamed, so its const-0.05
