@@ -30,8 +30,8 @@ the same number in every cell of one generation dtype, but not across dtypes: se
 Statistics (``_stats``): per arm, k and generation dtype, the mean of each score over seeds with a 95%
 Student-t interval, the gain over the base measured in that dtype with its interval, the smallest gain over
 seeds, how many seeds ended above the base, and the standard deviation over seeds; per arm, the paired
-difference of both scores from ``shipped``'s (``--versus``) at the same k and dtype; per arm and k with at
-least 5 seeds, issue 25's bar for shipping (:func:`shipping_bar`). Every
+difference of both scores from ``shipped``'s (``--versus``) at the same k and dtype; per arm, k and dtype
+with at least 5 seeds, issue 25's bar for shipping (:func:`shipping_bar`). Every
 finished cell is appended to ``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl`` (every step and every
 eval) kept as ``<out>/curves/<cell>.jsonl.gz`` (``_common.write_jsonl_gz``), so ``--resume`` skips finished
 cells and a later analysis can be recomputed. Each record holds the cell's compute, the load average around
@@ -151,6 +151,18 @@ def latest_by_cell(records: list[dict]) -> dict[tuple, dict]:
     return {cell_key(r): r for r in records if not r.get("error") and r.get("accuracy") is not None}
 
 
+ROOT = Path(__file__).resolve().parents[1]  # committed records hold paths relative to the repository root
+#: the config sections a merged sweep may set differently (:func:`merge_records`): the others (model, task,
+#: searcher) change what the base model scores, so the cells would share no base
+MERGEABLE = ("trainer.", "buffer.", "loss.", "run.")
+
+
+def _path(p: str) -> Path:
+    """A recorded path: as given where it exists (relative to the working directory), else under :data:`ROOT`."""
+    path = Path(p)
+    return path if path.exists() or path.is_absolute() else ROOT / path
+
+
 def gen_dtype(rec: dict) -> str:
     """The dtype a cell's searchers and evals generated in: its record's ``gen_dtype`` (recorded since 2026-12-07),
     else read off its committed curve: with ``model.dtype: auto`` a CPU with AVX512/AMX generates in bfloat16
@@ -161,8 +173,8 @@ def gen_dtype(rec: dict) -> str:
 
     if rec.get("gen_dtype"):
         return rec["gen_dtype"]
-    curve = Path(rec.get("curve") or "")
-    if not curve.is_file():
+    curve = _path(rec["curve"]) if rec.get("curve") else None
+    if curve is None or not curve.is_file():
         return "unrecorded"
     gaps = [m["sync/logprob_gap"] for m in read_jsonl_gz(curve) if "sync/logprob_gap" in m]
     if not gaps:
@@ -179,15 +191,19 @@ def bases(records: list[dict]) -> dict[str, float]:
     return out
 
 
+def base_arm(arm: str) -> str:
+    """The :data:`ARMS` name of an arm, also of one renamed by :func:`merge_records` (``ARM [key=value]``)."""
+    return arm.split(" [")[0]
+
+
 #: a cell's own overrides (:func:`cell_overrides`); with the arm's, what :func:`settings` leaves out
-CELL_KEYS = {"trainer.sync_period", "run.seed", "trainer.max_steps", "run.output_dir", "run.eval_before",
-             "run.eval_after"}
+CELL_KEYS = set(cell_overrides({}, {"arm": "shipped", "k": 1, "seed": 0}, 1, Path(), False))
 
 
 def settings(rec: dict) -> dict:
     """What a cell's sweep set for all its cells (``--set`` and the bench defaults): its overrides less the arm's,
     the cell's own and ``model.dtype`` (its effect is the cell's :func:`gen_dtype`, a column of its own)."""
-    arm = ARMS.get(rec["arm"], {})
+    arm = ARMS.get(base_arm(rec["arm"]), {})
     return {k: v for k, v in rec.get("overrides", {}).items()
             if k not in arm and k not in CELL_KEYS and k != "model.dtype"}
 
@@ -195,39 +211,52 @@ def settings(rec: dict) -> dict:
 def other_dtype_note(previous: list[dict], setup: str, dtype: str) -> str | None:
     """A line for a resumed sweep whose finished cells of ``setup`` generated in another dtype than this machine's
     ``dtype`` (they are kept, and the new cells go to rows of their own: :func:`aggregate`); None when none did."""
-    other = sorted({gen_dtype(r) for r in latest_by_cell(previous).values() if r.get("setup") == setup} - {dtype})
+    done = {gen_dtype(r) for r in latest_by_cell(previous).values() if r.get("setup") == setup}
+    other = sorted(done - {dtype, "unrecorded"})
     if not other:
         return None
     return (f"note: finished cells generated in {', '.join(other)}, this machine generates in {dtype}; they are "
             "kept and reported in rows of their own (--set model.dtype=... to match them)")
 
 
-def merge_records(records: list[dict], other: list[dict], where: str) -> list[dict]:
-    """``records`` and another sweep's ``other`` in one list, for one report. Where the other sweep's
-    :func:`settings` differ from this one's, its arms are renamed ``ARM [key=value, ...]`` (the differing
-    settings; ``default`` where it left one unset), so cells of different recipes share no row and no pair.
-    Raises SystemExit naming ``where`` if the other sweep ran another config or number of steps."""
+def merge_records(records: list[dict], others: dict[str, list[dict]]) -> list[dict]:
+    """One sweep's ``records`` and other sweeps' (``others``: where -> records) in one list, for one report.
+    Where another sweep's :func:`settings` differ from this one's (the union over its cells), its arms are
+    renamed ``ARM [key=value, ...]`` (the differing settings; ``default`` where it left one unset), so cells of
+    different recipes share no row and no pair. Raises SystemExit naming the other sweep if it ran another
+    config or number of steps, set a section outside :data:`MERGEABLE` differently (another task, model or
+    searcher: another base), or ran a cell (arm, k, seed, generation dtype) that the list already has."""
     def shared(rs: list[dict]) -> set:
-        return {(r.get("config"), r.get("steps")) for r in rs if "steps" in r}
+        return {(str(_path(r["config"]).resolve()), r["steps"]) for r in rs if "config" in r and "steps" in r}
 
-    if records and shared(other) - shared(records):
-        raise SystemExit(f"--merge {where}: its cells ran (config, steps) {sorted(shared(other), key=str)}, this "
-                         f"sweep's {sorted(shared(records), key=str)}; merge sweeps of the same config and steps")
-    mine = next((settings(r) for r in records if "overrides" in r), {})
+    mine = {k: v for r in records for k, v in settings(r).items()}
     out = list(records)
-    for r in other:
-        diff = {k: v for k, v in settings(r).items() if mine.get(k) != v}
-        diff.update({k: "default" for k in mine if k not in settings(r)})
-        arm = r["arm"] + (" [" + ", ".join(f"{k}={v}" for k, v in sorted(diff.items())) + "]" if diff else "")
-        out.append(dict(r, arm=arm))
+    for where, other in others.items():
+        if shared(other) - shared(records):
+            raise SystemExit(f"--merge {where}: its cells ran (config, steps) {sorted(shared(other), key=str)}, "
+                             f"this sweep's {sorted(shared(records), key=str)}; merge sweeps of the same config and "
+                             "steps")
+        seen = {(r["arm"], r["k"], r["seed"], gen_dtype(r)) for r in latest_by_cell(out).values()}
+        for r in other:
+            own = ARMS.get(base_arm(r["arm"]), {})
+            diff = {k: v for k, v in settings(r).items() if mine.get(k) != v}
+            diff.update({k: "default" for k in mine if k not in settings(r) and k not in own})
+            if bad := sorted(k for k in diff if not k.startswith(MERGEABLE)):
+                raise SystemExit(f"--merge {where}: it sets {', '.join(bad)} differently (another base model "
+                                 f"score); merge sweeps that differ in {', '.join(MERGEABLE)} settings only")
+            r = dict(r, arm=r["arm"] + (" [" + ", ".join(f"{k}={v}" for k, v in sorted(diff.items())) + "]"
+                                        if diff else ""))
+            if (r["arm"], r["k"], r["seed"], gen_dtype(r)) in seen and r.get("accuracy") is not None:
+                raise SystemExit(f"--merge {where}: cell {cell_name(r)} in {gen_dtype(r)} is in both sweeps (a row "
+                                 "would count its seed twice)")
+            out.append(r)
     return out
 
 
 def _order(arm: str) -> tuple:
     """Rows in :data:`ARMS` order; arms renamed by :func:`merge_records` after their own arm."""
     order = list(ARMS)
-    name = arm.split(" [")[0]
-    return (order.index(name) if name in order else len(order), arm)
+    return (order.index(base_arm(arm)) if base_arm(arm) in order else len(order), arm)
 
 
 def aggregate(records: list[dict]) -> list[dict]:
@@ -279,7 +308,7 @@ def versus(records: list[dict], ref: str = "shipped") -> list[dict]:
 
 
 def shipping_bar(rows: list[dict], ref_rows: list[dict] | None = None) -> list[dict]:
-    """Issue 25's bar for a recipe to ship, from :func:`aggregate`'s ``rows``, per arm and k measured on at
+    """Issue 25's bar for a recipe to ship, from :func:`aggregate`'s ``rows``, per arm, k and dtype measured on at
     least :data:`MIN_SEEDS` seeds: every seed's final eval above the base (``all_above``), the 95% lower bound
     of the mean gain above 0 (``low_above_0``), and the spread over seeds (sample sd of the final eval) no
     larger than :data:`SPREAD_ARM`'s at the same k and generation dtype (``spread_ok``; None while that arm has
@@ -335,6 +364,8 @@ def format_report(records: list[dict], ref_records: list[dict] | None = None, re
             "n/a" if r["above"] is None else f"{r['above']}/{len(r['seeds'])}",
             f"{r['sd']:.3f}", _ci(r["late"]), f"{r['train_s']:.0f}", r["dtype"]]) + " |")
     vs = versus(records, ref_arm)
+    if ref_arm != "shipped" and not any(r["arm"] == ref_arm for r in rows):
+        lines += ["", f"No cells of {ref_arm} (--versus): nothing is paired."]
     if vs:
         lines += ["", f"Paired by seed, within a sync period and a generation dtype: each arm minus {ref_arm}.", "",
                   f"| arm | k | generation dtype | seeds | final minus {ref_arm}'s [95% CI] | last {LAST} evals minus "
@@ -372,14 +403,14 @@ def format_report(records: list[dict], ref_records: list[dict] | None = None, re
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
-def report(out: Path, spread_ref: Path | None = None, merge: list[Path] = (), ref_arm: str = "shipped") -> str:
+def report(out: Path, spread_ref: Path | None = None, merge: tuple[Path, ...] = (), ref_arm: str = "shipped") -> str:
     """Write ``table.md`` from ``<out>/results.jsonl`` and the ``results.jsonl`` of each sweep in ``merge``
     (:func:`merge_records`; same config and steps), the bar's spread reference from
     ``<spread_ref>/results.jsonl`` where given, each arm paired against ``ref_arm``; return it."""
-    records = read_results(out / "results.jsonl")
-    for d in merge:
-        records = merge_records(records, read_results(Path(d) / "results.jsonl"), str(d))
-    records = [dict(r, gen_dtype=gen_dtype(r)) for r in records]  # each curve is read once
+    def read(d: Path) -> list[dict]:  # with each cell's dtype, so that each curve is read once
+        return [dict(r, gen_dtype=gen_dtype(r)) for r in read_results(Path(d) / "results.jsonl")]
+
+    records = merge_records(read(out), {str(d): read(d) for d in merge})
     ref = None if spread_ref is None else read_results(Path(spread_ref) / "results.jsonl")
     table = format_report(records, ref, ref_arm)
     (out / "table.md").write_text(table)

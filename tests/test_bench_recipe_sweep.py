@@ -93,6 +93,7 @@ def test_versus_pairs_by_seed_and_k(bench):
     assert (v["last"]["mean"], v["final"]["mean"]) == (pytest.approx(0.15), pytest.approx(0.075))
     (w,) = bench.versus(RECORDS, "const-0.05")
     assert (w["arm"], w["k"], w["last"]["mean"]) == ("shipped", 1, pytest.approx(-0.15))
+    assert "No cells of const-0.5 (--versus)" in bench.format_report(RECORDS, ref_arm="const-0.5")
 
 
 def test_report_names_the_failed_cell_and_the_base(bench, tmp_path):
@@ -190,6 +191,14 @@ def test_gen_dtype_from_the_record_else_from_the_curves_sync_gap(bench, tmp_path
     assert bench.gen_dtype({"curve": str(tmp_path / "missing.jsonl.gz")}) == bench.gen_dtype({}) == "unrecorded"
 
 
+def test_gen_dtype_finds_a_committed_curve_from_another_directory(bench, tmp_path, monkeypatch):
+    """Records hold curve paths relative to the repository root; the dtype must not turn "unrecorded" (and
+    rows merge dtypes again) when the report runs elsewhere. This cell generated in bfloat16 (its sync gap)."""
+    monkeypatch.chdir(tmp_path)
+    curve = "benchmarks/results/headroom_sweep/chain_sum_2digit_beta/curves/const-0.05-k2-s0.jsonl.gz"
+    assert bench.gen_dtype({"curve": curve}) == "bfloat16"
+
+
 def test_cells_of_different_generation_dtypes_share_no_row_base_or_pair(bench):
     """Seed 0 in bfloat16 (its shipped cell measured the base, 0.30), seed 1 in float32 (no base measured):
     every (arm, k) splits by dtype; seed 0's gains are taken against 0.30 (shipped 0.20 - 0.30 = -0.10), seed
@@ -220,27 +229,36 @@ def test_a_resumed_sweep_names_the_other_dtype_of_its_finished_cells(bench):
     assert "generated in bfloat16, this machine generates in float32" in bench.other_dtype_note(recs, "abc",
                                                                                                  "float32")
     assert bench.other_dtype_note(recs, "other-setup", "float32") is None
+    assert bench.other_dtype_note(RECORDS, "abc", "float32") is None  # old cells of no known dtype: nothing to say
 
 
 def test_merge_renames_the_arms_of_a_sweep_with_other_settings(bench, tmp_path):
     """A sweep that differs only in model.dtype merges as it is (its const-0.05 pairs with this sweep's
     const-0.02 on seed 0: 0.40 - 0.45 = -0.05); one with another lr gets its arms renamed, so its const-0.05
-    is an arm of its own, paired against the first (0.30 - 0.45 = -0.15); one of another step count is refused,
-    naming its directory."""
-    def rec(arm, acc, over=(), **kw):
-        return _rec(arm, 0, acc, acc, k=2, steps=150, config="c.yaml", gen_dtype="float32",
-                    overrides={"trainer.lr": "3e-6", "run.seed": 0, **bench.ARMS[arm], **dict(over)}, **kw)
+    is an arm of its own, paired against the first (0.30 - 0.45 = -0.15) and listed after it; its lr1e-5 arm,
+    which sets the lr itself, keeps its name. Refused, naming the sweep: another step count, another task
+    (another base), and a cell both sweeps ran."""
+    def rec(arm, acc, over=(), seed=0, **kw):
+        return _rec(arm, seed, acc, acc, k=2, steps=150, config="c.yaml", gen_dtype="float32",
+                    overrides={"trainer.lr": "3e-6", "run.seed": seed, **bench.ARMS[arm], **dict(over)}, **kw)
 
-    mine = [rec("const-0.02", 0.40, base_accuracy=0.1, base_measured=True)]
-    f32 = [rec("const-0.05", 0.45, {"model.dtype": "float32"})]
+    mine = [rec("lr1e-5", 0.38, seed=1), rec("const-0.02", 0.40, base_accuracy=0.1, base_measured=True)]
+    f32 = [rec("const-0.05", 0.45, {"model.dtype": "float32"}), rec("lr1e-5", 0.36, {"model.dtype": "float32"})]
     lr = [rec("const-0.05", 0.30, {"trainer.lr": "1e-5"})]
-    merged = bench.merge_records(bench.merge_records(mine, f32, "f32"), lr, "lr")
-    assert [r["arm"] for r in merged] == ["const-0.02", "const-0.05", "const-0.05 [trainer.lr=1e-5]"]
+    merged = bench.merge_records(mine, {"lr": lr, "f32": f32})
+    assert [r["arm"] for r in merged[2:]] == ["const-0.05 [trainer.lr=1e-5]", "const-0.05", "lr1e-5"]
+    assert [r["arm"] for r in bench.aggregate(merged)] == ["const-0.02", "const-0.05", "const-0.05 [trainer.lr=1e-5]",
+                                                            "lr1e-5"]
     diffs = {v["arm"]: v["final"]["mean"] for v in bench.versus(merged, "const-0.05")}
-    assert diffs == {"const-0.02": pytest.approx(-0.05), "const-0.05 [trainer.lr=1e-5]": pytest.approx(-0.15)}
+    assert diffs == {"const-0.02": pytest.approx(-0.05), "const-0.05 [trainer.lr=1e-5]": pytest.approx(-0.15),
+                     "lr1e-5": pytest.approx(0.36 - 0.45)}
     with pytest.raises(SystemExit, match="--merge other: .*150"):
-        bench.merge_records(mine, [dict(f32[0], steps=300)], "other")
-    for name, rs in (("a", mine), ("b", f32)):
+        bench.merge_records(mine, {"other": [dict(f32[0], steps=300)]})
+    with pytest.raises(SystemExit, match="--merge gcd: it sets task.name differently"):
+        bench.merge_records(mine, {"gcd": [rec("const-0.05", 0.5, {"task.name": "reasoning_gym:gcd"})]})
+    with pytest.raises(SystemExit, match="--merge again: cell const-0.05-k2-s0 in float32 is in both"):
+        bench.merge_records(mine, {"f32": f32, "again": f32})
+    for name, rs in (("a", mine[1:]), ("b", f32[:1])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rs))
     table = bench.report(tmp_path / "a", merge=[tmp_path / "b"], ref_arm="const-0.05")
