@@ -31,10 +31,10 @@ Statistics (``_stats``): per arm, k and generation dtype, the mean of each score
 Student-t interval, the gain over the base measured in that dtype with its interval, the smallest gain over
 seeds, how many seeds ended above the base, and the standard deviation over seeds; per arm, the paired
 difference of both scores from ``shipped``'s (``--versus``) at the same k and dtype; per arm, k and dtype
-with at least 5 seeds, issue 25's bar for shipping (:func:`shipping_bar`). Every
-finished cell is appended to ``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl`` (every step and every
-eval) kept as ``<out>/curves/<cell>.jsonl.gz`` (``_common.write_jsonl_gz``), so ``--resume`` skips finished
-cells and a later analysis can be recomputed. Each record holds the cell's compute, the load average around
+with at least 5 seeds, issue 25's bar for shipping (:func:`shipping_bar`). Every finished cell is appended to
+``<out>/results.jsonl`` (fsync) and its ``metrics.jsonl`` (every step and every eval) kept as
+``<out>/curves/<cell>.jsonl.gz`` (``_common.write_jsonl_gz``), so ``--resume`` skips finished cells and a
+later analysis can be recomputed. Each record holds the cell's compute, the load average around
 it, the generation dtype and the CPU's capability (``torch.backends.cpu.get_cpu_capability``).
 
 Commands (repository root, venv active)
@@ -312,11 +312,10 @@ def shipping_bar(rows: list[dict], ref_rows: list[dict] | None = None) -> list[d
     least :data:`MIN_SEEDS` seeds: every seed's final eval above the base (``all_above``), the 95% lower bound
     of the mean gain above 0 (``low_above_0``), and the spread over seeds (sample sd of the final eval) no
     larger than :data:`SPREAD_ARM`'s at the same k and generation dtype (``spread_ok``; None while that arm has
-    fewer seeds there). The
-    reference comes from ``ref_rows`` (another sweep's :func:`aggregate`, e.g. the beta arms run at a changed
-    lr in their own directory) where given, else from ``rows``. ``meets``: False if any check fails, None if
-    none fails but one is undecided, else True. ``sd_ratio``: this sd over the reference's with its 95% F
-    interval (:func:`sd_ratio_ci`, seeds taken as independent), None without a reference."""
+    fewer seeds there). The reference comes from ``ref_rows`` (another sweep's :func:`aggregate`, e.g. the beta
+    arms run at a changed lr in their own directory) where given, else from ``rows``. ``meets``: False if any
+    check fails, None if none fails but one is undecided, else True. ``sd_ratio``: this sd over the reference's
+    with its 95% F interval (:func:`sd_ratio_ci`, seeds taken as independent), None without a reference."""
     judged = [r for r in rows if len(r["seeds"]) >= MIN_SEEDS and r["gain"] is not None]
     refs = [r for r in (rows if ref_rows is None else ref_rows) if len(r["seeds"]) >= MIN_SEEDS]
     # (k, dtype) -> (sd, seeds): spreads compare within one sync period and one generation dtype
