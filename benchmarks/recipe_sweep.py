@@ -402,15 +402,20 @@ def format_report(records: list[dict], ref_records: list[dict] | None = None, re
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
+def with_dtypes(records: list[dict]) -> list[dict]:
+    """``records``, each with its :func:`gen_dtype` filled in, so that each old cell's curve is read once."""
+    return [dict(r, gen_dtype=gen_dtype(r)) for r in records]
+
+
 def report(out: Path, spread_ref: Path | None = None, merge: tuple[Path, ...] = (), ref_arm: str = "shipped") -> str:
     """Write ``table.md`` from ``<out>/results.jsonl`` and the ``results.jsonl`` of each sweep in ``merge``
     (:func:`merge_records`; same config and steps), the bar's spread reference from
     ``<spread_ref>/results.jsonl`` where given, each arm paired against ``ref_arm``; return it."""
-    def read(d: Path) -> list[dict]:  # with each cell's dtype, so that each curve is read once
-        return [dict(r, gen_dtype=gen_dtype(r)) for r in read_results(Path(d) / "results.jsonl")]
+    def read(d: Path) -> list[dict]:
+        return with_dtypes(read_results(Path(d) / "results.jsonl"))
 
     records = merge_records(read(out), {str(d): read(d) for d in merge})
-    ref = None if spread_ref is None else read_results(Path(spread_ref) / "results.jsonl")
+    ref = None if spread_ref is None else read(spread_ref)
     table = format_report(records, ref, ref_arm)
     (out / "table.md").write_text(table)
     return table
@@ -454,6 +459,7 @@ def run_study(args) -> int:
     from tba.models import pick_dtype
 
     extra, base_cfg, out, previous = start_study(args, BENCH_DEFAULTS)
+    previous = with_dtypes(previous)
     steps = args.steps or base_cfg.trainer.max_steps
     setup = setup_id(args.config, steps, base_cfg.task.eval_size, extra)
     sync_periods = args.sync_periods or sorted({1, base_cfg.trainer.sync_period})
