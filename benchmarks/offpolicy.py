@@ -19,8 +19,8 @@ Arms (:data:`ARMS`): the main four ``tb``, ``rloo``, ``grpo`` and ``ppo_clip-is2
 REINFORCE with the importance weight truncated at 2, the usual correction of async RL systems), and three
 mechanism arms run at the end lags only: ``tb-beta0.05`` (a constant KL coefficient of 0.05, TB's trust
 region: larger than the anneal 0.012 -> 0.004 of the quickstart the committed cells ran, smaller than its
-constant 0.1 since 2026-12-07), ``tb-noclip`` (no gradient-norm clipping, as the TB authors' loop) and ``grpo-noclip`` (GRPO with its
-ratio clip off, so reused samples are not cut off).
+constant 0.1 since 2026-12-07), ``tb-noclip`` (no gradient-norm clipping, as the TB authors' loop) and
+``grpo-noclip`` (GRPO with its ratio clip off, so reused samples are not cut off).
 
 Seeds ``run.seed`` are paired: every arm and setting of one seed shares its searchers' and trainer's seed,
 and all cells share the training prompts and the held-out eval problems (``task.seed`` of the config). The
