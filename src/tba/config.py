@@ -254,7 +254,7 @@ class TrainerConfig(_Section):
     beta_start: float = Field(
         0.012, gt=0, description="KL coefficient beta at step 0 (paper GSM8K: 0.012). The CPU configs hold beta "
         "constant (start = end: 0.1 in the quickstart, 0.05 in chain_sum_2digit), chosen by paired-seed sweeps "
-        "(docs/algorithm.md section 4); the two tasks pick different values, so the default stays the paper's.",
+        "(docs/algorithm.md section 4).",
     )
     beta_end: float = Field(0.004, gt=0, description="beta after the anneal (paper GSM8K: 0.004).")
     beta_anneal_steps: int = Field(500, ge=0, description="Steps of the linear beta anneal (paper GSM8K: 500).")
