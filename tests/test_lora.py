@@ -65,9 +65,10 @@ def _logp(model, batch):
 def test_untrained_adapter_is_the_reference_and_tb_loss_is_zero(model_path, tokenizer):
     """B = 0: the policy's log-probs equal the base's (adapter off) bit for bit, so with equal rewards every
     TB residual log Z + log pi - log pi_ref - r / beta is the same and the VarGrad loss is 0 up to float32
-    rounding: the terms (r / beta = 1 / 0.012 = 83.3 plus sequence log-probs of tens of nats) stay below
-    2^8, where a float32 ulp is 3.1e-5, so each residual is a few ulps and the loss below 1e-9; with
-    different rewards the residuals are +-r / (2 beta) = 41.7 and the loss about 1.7e3."""
+    rounding: the terms (r / beta = 1 / 0.05 = 20 at the default beta, plus sequence log-probs of tens of nats)
+    stay below 2^8, where a float32 ulp is 3.1e-5, so each residual is a few ulps and the loss below 1e-9.
+    With rewards 0, 1, 0, 1 in each group, log Z is the group mean, the residuals are +-0.5 / beta = +-10 and
+    the loss their mean square, (0.5 / beta)^2 = 100."""
     model = _peft(model_path)
     batch = _batch(tokenizer, [1.0] * 8)
     with torch.no_grad(), adapter_off(model):
@@ -76,7 +77,9 @@ def test_untrained_adapter_is_the_reference_and_tb_loss_is_zero(model_path, toke
         assert torch.equal(_logp(model, batch), ref)
     m = _trainer(model).step(batch)
     assert m["loss/tb"] < 1e-9 and m["train/abs_logratio_token_mean"] == 0.0
-    assert _trainer(_peft(model_path)).step(_batch(tokenizer, [0.0, 1.0] * 4))["loss/tb"] > 1e3
+    tr = _trainer(_peft(model_path))
+    assert tr.beta_at(0) == 0.05
+    assert tr.step(_batch(tokenizer, [0.0, 1.0] * 4))["loss/tb"] == pytest.approx(100.0, rel=1e-4)
 
 
 @pytest.mark.parametrize("micro_batch_size", [8, 3])
