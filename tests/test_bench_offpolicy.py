@@ -10,6 +10,8 @@ from conftest import ROOT, load_benchmark
 
 from tba.config import load_config
 
+QUICKSTART = ROOT / "configs/quickstart.yaml"
+
 
 @pytest.fixture(scope="module")
 def bench():
@@ -50,8 +52,7 @@ def test_plan_orders_the_answering_cells_first(bench):
 @pytest.mark.parametrize("arm", ["tb", "rloo", "grpo", "ppo_clip-is2", "tb-beta0.05", "tb-noclip", "grpo-noclip"])
 def test_every_arm_is_a_valid_config_with_its_settings(bench, arm, tmp_path):
     c = {"arm": arm, "objective": bench.ARMS[arm][0], "lag": 16, "k": 1, "seed": 2}
-    cfg = load_config(ROOT / "configs/quickstart.yaml",
-                      bench.cell_overrides(bench.BENCH_DEFAULTS, c, 60, 500, tmp_path, measure_base=False))
+    cfg = load_config(QUICKSTART, bench.cell_overrides(bench.BENCH_DEFAULTS, c, 60, 500, tmp_path, measure_base=False))
     assert (cfg.loss.name, cfg.trainer.generation_lag, cfg.trainer.sync_period, cfg.run.seed) == (
         bench.ARMS[arm][0], 16, 1, 2)
     assert cfg.task.eval_size == 500 and cfg.trainer.max_steps == 60 and cfg.run.eval_before is False
@@ -61,7 +62,7 @@ def test_every_arm_is_a_valid_config_with_its_settings(bench, arm, tmp_path):
         section, field, value = expected[arm]
         assert getattr(getattr(cfg, section), field) == value
     else:  # a main arm keeps the config's clipping and KL schedule
-        base = load_config(ROOT / "configs/quickstart.yaml").trainer
+        base = load_config(QUICKSTART).trainer
         assert cfg.trainer.grad_clip == 1.0 and cfg.loss.is_cap is None
         assert (cfg.trainer.beta_start, cfg.trainer.beta_end) == (base.beta_start, base.beta_end)
 
